@@ -1,0 +1,88 @@
+"""The engine's one frozen configuration, validated with errors that name the setting."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from kvgate.errors import InvalidConfig
+
+DEFAULT_MODEL = "smollm2"
+_DTYPES = ("bfloat16", "float32", "float16")
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_memory(value: str | float | int, total_bytes: int) -> int:
+    """A memory budget in bytes: ``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, or a fraction in (0, 1]
+    of ``total_bytes``. A bare integer above 1 is a byte count."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise InvalidConfig(
+                f"kv_cache_memory must look like '2GiB', '512MiB' or a fraction like 0.3, got "
+                f"{value!r}",
+                param="kv_cache_memory",
+            )
+        number = float(m.group(1))
+        if m.group(2) == "" and number <= 1.0:
+            return int(number * total_bytes)
+        return int(number * _UNITS[m.group(2).lower()])
+    if isinstance(value, bool) or value <= 0:
+        raise InvalidConfig(f"kv_cache_memory must be positive, got {value!r}", param="kv_cache_memory")
+    if value <= 1.0:
+        return int(value * total_bytes)
+    return int(value)
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS reports as available (Linux MemAvailable), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build and run one engine. Reads no files: the loader does that.
+
+    ``kv_cache_memory``: bytes for the KV block pool, as ``"1GiB"`` or a fraction of the
+    memory available at start-up (of the device's free memory on a GPU).
+    ``max_num_batched_tokens``: the per-step token budget shared by decodes and prefill chunks.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    kv_cache_memory: str | float = "1GiB"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidConfig(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", param="dtype")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfig(f"{name} must be a positive integer, got {value!r}", param=name)
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise InvalidConfig(
+                f"max_model_len must be positive, got {self.max_model_len}", param="max_model_len"
+            )
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise InvalidConfig(
+                f"num_threads must be positive, got {self.num_threads}", param="num_threads"
+            )
+        # Parse once now so a bad value fails at construction, not at engine start.
+        parse_memory(self.kv_cache_memory, 1 << 30)

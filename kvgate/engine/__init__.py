@@ -1,0 +1,1 @@
+"""The engine: requests, KV block pool, scheduler, runner, sampler, detokenizer, engine loop."""

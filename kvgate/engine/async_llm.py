@@ -1,0 +1,154 @@
+"""The async front of the engine: one engine thread, one asyncio queue per request.
+
+The engine loop runs on its own thread so that request handling never waits for a step and a
+long step never stalls the event loop. Torch releases the GIL inside its kernels, so the two
+share the process well. Each request streams as an async generator of deltas; leaving the
+generator early (a client disconnect cancels it) aborts the request in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.request import Request
+from kvgate.errors import DuplicateRequestId, EngineDead
+from kvgate.sampling_params import SamplingParams
+
+log = logging.getLogger("kvgate.engine")
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        return cls(LLMEngine(config))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # ------------------------------------------------------------------ caller side
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        cache_salt: bytes | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the deltas of one request. Raises typed errors for invalid input at once."""
+        if self._dead is not None:
+            raise EngineDead(f"engine loop stopped: {self._dead}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if rid in self._streams:
+                raise DuplicateRequestId(rid)
+            self._streams[rid] = stream
+        self._commands.put(_Add(request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort from any thread; the engine frees the blocks before its next step."""
+        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
+        self._commands.put(_Abort(ids))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                if not self._drain_commands(block=idle):
+                    return
+                if not self.engine.has_unfinished():
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # a bug in the loop itself: fail every stream, loudly
+            log.exception("engine loop died")
+            self._dead = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
+
+    def _drain_commands(self, *, block: bool) -> bool:
+        """Apply queued adds and aborts; False once shutdown was asked for."""
+        first = True
+        while True:
+            try:
+                cmd = self._commands.get(block=block and first)
+            except queue.Empty:
+                return True
+            first = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add(cmd.request)
+                except Exception as exc:
+                    self._deliver(cmd.request.request_id, exc)
+            else:
+                self.engine.abort(cmd.request_ids)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)

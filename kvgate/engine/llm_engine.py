@@ -1,0 +1,269 @@
+"""The synchronous engine: add requests, then ``step()`` = schedule -> run -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgate.config import EngineConfig, available_memory_bytes, parse_memory
+from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.kv_cache import KVCacheManager, cdiv
+from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.runner import ModelRunner, allocate_kv_caches
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.errors import (
+    DuplicateRequestId,
+    EmptyPrompt,
+    InvalidConfig,
+    InvalidRequest,
+    KVCacheTooSmall,
+    PromptTooLong,
+)
+from kvgate.model.attention import TorchAttention
+from kvgate.model.checkpoint import load_checkpoint
+from kvgate.model.llama import LlamaModel
+from kvgate.sampling_params import SamplingParams
+from kvgate.tokenizer import Tokenizer
+
+log = logging.getLogger("kvgate.engine")
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVPoolInfo:
+    num_blocks: int
+    block_size: int
+    bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class _OutputState:
+    """Per-request output bookkeeping: detokenizer and what was already reported."""
+
+    detokenizer: IncrementalDetokenizer
+    num_reported_tokens: int = 0
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        t0 = time.perf_counter()
+        checkpoint = load_checkpoint(config.model)
+        self.model_config = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.max_model_len = self._resolve_max_model_len()
+        self.model = LlamaModel(
+            checkpoint.config,
+            checkpoint.weights,
+            dtype=self.dtype,
+            device=self.device,
+            attention=TorchAttention(
+                checkpoint.config.num_heads,
+                checkpoint.config.num_kv_heads,
+                checkpoint.config.head_dim,
+            ),
+            source=checkpoint.path,
+        )
+        del checkpoint  # the float32 copies of the weights can go now
+        self.load_seconds = time.perf_counter() - t0
+        self.kv_pool = self._size_kv_pool()
+        kv_caches = allocate_kv_caches(
+            self.model_config, self.kv_pool.num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.kv_cache = KVCacheManager(
+            self.kv_pool.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._outputs: dict[str, _OutputState] = {}
+        self._aborted: list[RequestOutput] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            return model_max
+        if asked > model_max:
+            raise InvalidConfig(
+                f"max_model_len {asked} exceeds the model's context of {model_max} tokens",
+                param="max_model_len",
+            )
+        return asked
+
+    def _size_kv_pool(self) -> KVPoolInfo:
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            total = available_memory_bytes()
+        budget = parse_memory(self.config.kv_cache_memory, total)
+        bytes_per_block = self.config.block_size * self.model_config.kv_bytes_per_token(
+            self.dtype.itemsize
+        )
+        num_blocks = budget // bytes_per_block
+        needed = cdiv(self.max_model_len, self.config.block_size)
+        if num_blocks < needed:
+            raise KVCacheTooSmall(
+                f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "
+                f"{self.config.block_size} tokens, but one request of max_model_len="
+                f"{self.max_model_len} needs {needed}; raise kv_cache_memory or lower "
+                f"max_model_len",
+                param="kv_cache_memory",
+            )
+        return KVPoolInfo(num_blocks, self.config.block_size, num_blocks * bytes_per_block)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: bytes | None = None,
+    ) -> Request:
+        """Validate and tokenize a request. Thread-safe: touches no engine state."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt"
+                )
+        if not token_ids:
+            raise EmptyPrompt()
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
+        return Request(
+            request_id, token_ids, params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt
+        )
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by ``make_request``."""
+        if request.request_id in self.scheduler.requests or request.request_id in self._outputs:
+            raise DuplicateRequestId(request.request_id)
+        p = request.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer.backend,
+            request.prompt_token_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)
+        self._outputs[request.request_id] = _OutputState(detok)
+
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> Request:
+        request = self.make_request(request_id, prompt, params)
+        self.add(request)
+        return request
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """End requests at once; their blocks are free before this returns."""
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._aborted.append(self._final_output(request))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        try:
+            runner_out = self.runner.execute(sched)
+        except Exception as exc:  # a failed step fails its requests, never the engine loop
+            log.exception("model step failed; failing its %d requests", len(sched.sequences))
+            return self._fail_step(sched, exc)
+        touched = self.scheduler.update(sched, runner_out)
+        self.num_steps += 1
+        return self._collect(touched, runner_out)
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        ids = [s.request_id for s in sched.sequences]
+        outputs = []
+        for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+            request.error = f"engine step failed: {type(exc).__name__}: {exc}"
+            outputs.append(self._final_output(request))
+        return outputs
+
+    def _collect(self, touched: list[Request], runner_out: RunnerOutput) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        for request in touched:
+            state = self._outputs[request.request_id]
+            lp = runner_out.logprobs.get(request.request_id)
+            if lp is not None:
+                state.pending_logprobs.append(lp)
+            try:
+                state.detokenizer.append(request.output_token_ids[-1])
+            except Exception as exc:
+                log.exception("detokenizing request %s failed", request.request_id)
+                request.error = f"detokenizer failed: {type(exc).__name__}: {exc}"
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            else:
+                stop = state.detokenizer.matched_stop
+                if stop is not None and not request.is_finished:
+                    request.stop_reason = stop
+                    self.scheduler.finish_requests(
+                        [request.request_id], RequestStatus.FINISHED_STOPPED
+                    )
+            if request.is_finished:
+                outputs.append(self._final_output(request))
+            else:
+                outputs.append(self._delta(request, state, finished=False))
+        return outputs
+
+    def _delta(self, request: Request, state: _OutputState, *, finished: bool) -> RequestOutput:
+        new_ids = tuple(request.output_token_ids[state.num_reported_tokens :])
+        state.num_reported_tokens = request.num_output_tokens
+        logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text=state.detokenizer.take_delta(finished=finished),
+            logprobs=logprobs,
+            finished=finished,
+            finish_reason=request.status.finish_reason if finished else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=request.error,
+        )
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        state = self._outputs.pop(request.request_id)
+        return self._delta(request, state, finished=True)

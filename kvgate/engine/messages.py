@@ -1,0 +1,77 @@
+"""Frozen messages between the scheduler (pure Python) and the model runner (tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, the first time a request is scheduled: what the runner keeps per request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``.
+
+    ``block_ids`` is the request's whole block table after allocation. ``sample`` is True when
+    this step reaches the end of the known tokens, so its last logits give the next token;
+    a prefill chunk that stops short of the end samples nothing.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of KV this sequence attends to once the step's tokens are written."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    sequences: tuple[ScheduledSequence, ...]
+    new_requests: tuple[NewRequestData, ...] = ()
+    #: Requests that ended since the last step; the runner drops their per-request state.
+    finished_request_ids: frozenset[str] = field(default_factory=frozenset)
+    #: Requests pushed back to waiting (recompute) during this schedule.
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and of the top-k alternatives (raw logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced: a new token for every sequence that sampled."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""One generation request as the scheduler sees it: tokens known, tokens computed, blocks held."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from kvgate.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return self.value if self.finished else None
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    The one scheduling rule: ``num_computed_tokens`` catches up with ``num_tokens``. A fresh
+    prompt, a chunked prefill, a prefix-cache hit and a decode step are all that rule.
+    ``block_hashes[i]`` is the hash-chain key of the i-th *full* block of ``all_token_ids``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        cache_salt: bytes | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        #: Prompt tokens served from the prefix cache the first time this request was scheduled.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        #: The stop string or stop token id that ended the request, if any.
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop rules (EOS, stop ids, max_tokens, context end) after a new token.
+
+        Stop *strings* need the detokenizer and are checked by the output processor.
+        """
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

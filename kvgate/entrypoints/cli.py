@@ -1,0 +1,168 @@
+"""The ``kvgate`` command: ``kvgate generate`` and an interactive ``kvgate chat``."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvgate.config import DEFAULT_MODEL, EngineConfig
+from kvgate.errors import KVGateError
+from kvgate.sampling_params import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="'smollm2' (default), a .gguf file, or a HF checkpoint directory")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=None)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+
+
+def _config(a: argparse.Namespace) -> EngineConfig:
+    kv: str | float = a.kv_cache_memory
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, kv_cache_memory=kv, block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
+        num_threads=a.threads,
+    )
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
+    )
+
+
+def _load(a: argparse.Namespace) -> Any:
+    from kvgate.engine.llm_engine import LLMEngine
+
+    print(f"loading {a.model} ({a.dtype}) ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(_config(a))
+    pool = engine.kv_pool
+    print(
+        f"loaded in {engine.load_seconds:.1f}s: {engine.model.num_parameters() / 1e6:.0f}M "
+        f"parameters; KV pool {pool.num_blocks} blocks x {pool.block_size} tokens = "
+        f"{pool.num_tokens} tokens, {pool.bytes / 2**30:.2f} GiB",
+        file=sys.stderr, flush=True,
+    )
+    return engine
+
+
+_ids = itertools.count()
+
+
+def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+    """Yield text deltas of one request as the engine produces them."""
+    rid = f"cli-{next(_ids)}"
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                if out.text:
+                    yield out.text
+                if out.finished:
+                    return
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    engine = _load(a)
+    params = _params(a)
+    prompt: str | list[int] = a.prompt
+    if not a.raw:
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": a.prompt}], add_generation_prompt=True
+        )
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    start = time.perf_counter()
+    n = 0
+    for delta in _stream(engine, prompt, params):
+        n += 1
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"[{time.perf_counter() - start:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    engine = _load(a)
+    params = _params(a)
+    messages: list[dict[str, Any]] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("kvgate chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        sys.stdout.write("assistant> ")
+        reply = []
+        for delta in _stream(engine, ids, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply to one prompt")
+    gen.add_argument("prompt", nargs="?", default="Write a haiku about a cache.")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="talk to the model in the terminal")
+    chat.add_argument("--system", default=None)
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KVGateError as exc:
+        print(f"kvgate: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Domain exceptions. The HTTP layer maps these to the OpenAI error shape in one place.
+
+Every error names the parameter or file it is about, so a caller can act on it without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class KVGateError(Exception):
+    """Base class of every error kvgate raises on purpose."""
+
+    #: OpenAI-style machine-readable code (``invalid_request_error`` family unless overridden).
+    code: str = "kvgate_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(KVGateError):
+    """A request parameter has a value the engine cannot honour (400)."""
+
+    code = "invalid_request_error"
+
+
+class InvalidSamplingParams(InvalidRequest):
+    """A sampling parameter is out of range; ``param`` names it."""
+
+    code = "invalid_value"
+
+
+class EmptyPrompt(InvalidRequest):
+    code = "empty_prompt"
+
+    def __init__(self) -> None:
+        super().__init__("prompt must contain at least one token", param="prompt")
+
+
+class PromptTooLong(InvalidRequest):
+    """Prompt (plus the tokens asked for) does not fit the model's context window."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and {max_tokens} more were requested",
+            param="prompt",
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class DuplicateRequestId(InvalidRequest):
+    code = "duplicate_request_id"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use", param="request_id")
+
+
+class ModelLoadError(KVGateError):
+    """The model could not be loaded; the message names the file and what is wrong with it."""
+
+    code = "model_load_error"
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, param="model")
+        self.path = path
+
+
+class ModelNotFound(ModelLoadError):
+    code = "model_not_found"
+
+
+class CorruptWeights(ModelLoadError):
+    code = "corrupt_weights"
+
+
+class UnsupportedModel(ModelLoadError):
+    code = "unsupported_model"
+
+
+class InvalidConfig(KVGateError):
+    """An engine setting is invalid; ``param`` names the setting."""
+
+    code = "invalid_config"
+
+
+class KVCacheTooSmall(InvalidConfig):
+    code = "kv_cache_too_small"
+
+
+class EngineDead(KVGateError):
+    """The engine loop stopped after an unrecoverable error; requests cannot be served."""
+
+    code = "engine_dead"
+
+
+class RequestFailed(KVGateError):
+    """One request failed inside the engine; the engine goes on serving the others."""
+
+    code = "request_failed"

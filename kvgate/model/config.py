@@ -1,0 +1,56 @@
+"""Architecture hyper-parameters of a Llama-family model, independent of where they were read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.errors import UnsupportedModel
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as Llama-3-style configs describe it.
+
+    ``kind``: ``"linear"`` (positions divided by ``factor``) or ``"llama3"`` (low frequencies
+    divided by ``factor``, high ones kept, a smooth ramp in between).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of the forward pass. Built by a loader; holds no weights."""
+
+    architecture: str  # "llama", "qwen2", "mistral" — all run the same Llama forward
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise UnsupportedModel(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})",
+                path="<config>",
+            )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V for one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

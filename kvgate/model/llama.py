@@ -1,0 +1,157 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) reading and writing KV through blocks.
+
+Plain tensors and functions rather than nn.Modules: the forward is short enough to read in one
+go, and there is no training. Shapes: T = tokens in the flat batch, H = hidden size,
+Hq / Hkv = query / KV heads, D = head dim, I = intermediate size, V = vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.errors import CorruptWeights
+from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.config import ModelConfig
+from kvgate.model.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H], q, k and v fused into one matmul
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D] (Qwen2)
+    o: torch.Tensor  # [H, Hq D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H], gate and up fused
+    down: torch.Tensor  # [H, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm exactly: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionBackend,
+        source: str = "<weights>",
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.attention = attention
+        self._source = source
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+        self.embed = self._take(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._take(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.final_norm = self._take(weights, "model.norm.weight", (c.hidden_size,))
+        self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
+        self.rope = RotaryEmbedding(
+            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
+        )
+
+    def _take(
+        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        w = weights.get(name)
+        if w is None:
+            raise CorruptWeights(f"missing tensor {name!r} in {self._source}", path=self._source)
+        if tuple(w.shape) != shape:
+            raise CorruptWeights(
+                f"tensor {name!r} in {self._source} has shape {tuple(w.shape)}, expected {shape}",
+                path=self._source,
+            )
+        return w.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+        c = self.config
+        p = f"model.layers.{i}."
+        h = c.hidden_size
+        q = self._take(weights, p + "self_attn.q_proj.weight", (self.q_size, h))
+        k = self._take(weights, p + "self_attn.k_proj.weight", (self.kv_size, h))
+        v = self._take(weights, p + "self_attn.v_proj.weight", (self.kv_size, h))
+        bias = None
+        if c.attention_bias or (p + "self_attn.q_proj.bias") in weights:
+            bias = torch.cat(
+                [
+                    self._take(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
+                    self._take(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
+                    self._take(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
+                ]
+            )
+        gate = self._take(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
+        up = self._take(weights, p + "mlp.up_proj.weight", (c.intermediate_size, h))
+        return LayerWeights(
+            input_norm=self._take(weights, p + "input_layernorm.weight", (h,)),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv_bias=bias,
+            o=self._take(weights, p + "self_attn.o_proj.weight", (h, self.q_size)),
+            post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
+            gate_up=torch.cat([gate, up]).contiguous(),
+            down=self._take(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+        )
+
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm]
+            tensors += [layer.gate_up, layer.down]
+        return sum(t.numel() for t in tensors)
+
+    def weight_bytes(self) -> int:
+        return self.num_parameters() * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        c = self.config
+        t = input_ids.shape[0]
+        cos, sin = self.rope.tables(positions)
+        x = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            residual = x
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+            x = residual + F.linear(attn.reshape(t, self.q_size), layer.o)
+
+            residual = x
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = residual + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] in float32 (as HF upcasts them)."""
+        return F.linear(hidden, self.lm_head).float()

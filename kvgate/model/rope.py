@@ -1,0 +1,70 @@
+"""Rotary position embeddings, with the linear and Llama-3 frequency scalings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvgate.model.config import RopeScaling
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None
+) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, scaled as the config asks."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones are kept,
+        # and wavelengths in between are interpolated smoothly (Llama 3.1's recipe).
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {scaling.kind!r}")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables, gathered per step by token position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim], HF's layout
+        # Computed in float32, then cast: the same values HF's LlamaRotaryEmbedding produces.
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions: [T, 1, head_dim] each, broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
+    return (x * cos) + (_rotate_half(x) * sin)
