@@ -10,9 +10,20 @@ from kvgate.errors import InvalidConfig
 
 DEFAULT_MODEL = "smollm2"
 _DTYPES = ("bfloat16", "float32", "float16")
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_memory(value: str | float | int, total_bytes: int) -> int:
@@ -31,7 +42,9 @@ def parse_memory(value: str | float | int, total_bytes: int) -> int:
             return int(number * total_bytes)
         return int(number * _UNITS[m.group(2).lower()])
     if isinstance(value, bool) or value <= 0:
-        raise InvalidConfig(f"kv_cache_memory must be positive, got {value!r}", param="kv_cache_memory")
+        raise InvalidConfig(
+            f"kv_cache_memory must be positive, got {value!r}", param="kv_cache_memory"
+        )
     if value <= 1.0:
         return int(value * total_bytes)
     return int(value)
@@ -71,7 +84,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise InvalidConfig(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", param="dtype")
+            raise InvalidConfig(
+                f"dtype must be one of {_DTYPES}, got {self.dtype!r}", param="dtype"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -46,7 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list for stop, as the OpenAI API does.
-        object.__setattr__(self, "stop", _tuple_of_str(self.stop))  # type: ignore[arg-type]
+        object.__setattr__(self, "stop", _tuple_of_str(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self._validate()
 
@@ -59,7 +59,7 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer")
         if self.max_tokens <= 0:
             raise bad("max_tokens", "must be at least 1")
-        if not 0.0 <= self.temperature:
+        if not self.temperature >= 0.0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")

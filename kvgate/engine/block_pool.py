@@ -45,7 +45,9 @@ class KVBlock:
         self.block_hash: BlockHash | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+        return (
+            f"KVBlock({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+        )
 
 
 class BlockPool:

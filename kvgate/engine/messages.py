@@ -65,8 +65,8 @@ class TokenLogprobs:
 
     token_id: int
     logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
+    #: The ``params.logprobs`` most likely tokens, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ def allocate_kv_caches(
     """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(config.num_layers)
     ]
 
@@ -145,8 +148,8 @@ class ModelRunner:
         row = num_dec
         for seq in prefills:
             num_blocks = -(-seq.context_len // bs)
-            table = torch.tensor(seq.block_ids[:num_blocks], dtype=torch.int64, device=dev)
-            slices.append(PrefillSlice(row, row + seq.num_tokens, seq.start_pos, table))
+            seq_table = torch.tensor(seq.block_ids[:num_blocks], dtype=torch.int64, device=dev)
+            slices.append(PrefillSlice(row, row + seq.num_tokens, seq.start_pos, seq_table))
             row += seq.num_tokens
 
         meta = AttentionMetadata(

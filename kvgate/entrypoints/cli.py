@@ -16,11 +16,17 @@ from kvgate.sampling_params import SamplingParams
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="'smollm2' (default), a .gguf file, or a HF checkpoint directory")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="'smollm2' (default), a .gguf file, or a HF checkpoint directory",
+    )
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--kv-cache-memory", default="1GiB",
-                   help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)")
+    g.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -43,17 +49,27 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _config(a: argparse.Namespace) -> EngineConfig:
     kv: str | float = a.kv_cache_memory
     return EngineConfig(
-        model=a.model, dtype=a.dtype, kv_cache_memory=kv, block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
+        model=a.model,
+        dtype=a.dtype,
+        kv_cache_memory=kv,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,
     )
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-        min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.seed,
+        stop=tuple(a.stop),
     )
 
 
@@ -67,7 +83,8 @@ def _load(a: argparse.Namespace) -> Any:
         f"loaded in {engine.load_seconds:.1f}s: {engine.model.num_parameters() / 1e6:.0f}M "
         f"parameters; KV pool {pool.num_blocks} blocks x {pool.block_size} tokens = "
         f"{pool.num_tokens} tokens, {pool.bytes / 2**30:.2f} GiB",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     return engine
 
@@ -98,9 +115,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         )
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     start = time.perf_counter()
-    n = 0
     for delta in _stream(engine, prompt, params):
-        n += 1
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -24,7 +24,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        config = EngineConfig(**engine_args) if model is None else EngineConfig(model=model, **engine_args)
+        config = (
+            EngineConfig(**engine_args)
+            if model is None
+            else EngineConfig(model=model, **engine_args)
+        )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -49,7 +53,9 @@ class LLM:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None:
             params = SamplingParams()
-        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        param_list = (
+            [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        )
         if len(param_list) != len(prompt_list):
             raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
 

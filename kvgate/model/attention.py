@@ -6,7 +6,8 @@ sequence. ``TorchAttention`` is the plain-PyTorch backend for the CPU; a GPU bac
 kernel behind the same ``forward``.
 
 KV cache of one layer: ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim].
-Token ``t`` of a sequence lives at slot ``block_table[t // block_size] * block_size + t % block_size``.
+Token ``t`` of a sequence lives at flat slot
+``block_table[t // block_size] * block_size + t % block_size``.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class LlamaModel:
             residual = x
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(t, c.num_kv_heads, c.head_dim)

@@ -9,9 +9,7 @@ import torch
 from kvgate.model.config import RopeScaling
 
 
-def inverse_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None
-) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, scaled as the config asks."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:

@@ -1,0 +1,177 @@
+"""Offline throughput of kvgate against HF transformers on the same weights, in one run.
+
+Method (nano-vllm's, from shared/brief/bench.md): N sequences with random prompt and output
+lengths, ignore_eos, throughput = generated tokens / wall time including prefill, one warm-up
+first. The peer is HF ``generate`` with static batching (left-padded batch of all N prompts,
+run until the longest output is done; only the requested tokens are counted for both).
+
+Also measures batch-1 decode against this machine's memory-bandwidth bound: a decode step
+must read every weight once, so tokens/s <= copy bandwidth / weight bytes.
+
+    python bench/throughput.py                 # 1, 8, 32, 64 sequences, bf16
+    python bench/throughput.py --concurrency 32 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvgate import LLM, SamplingParams
+from kvgate.model.checkpoint import load_checkpoint
+from kvgate.model.hf_export import save_hf_checkpoint
+from kvgate.model.registry import DEFAULT_MODEL
+
+CACHE = Path.home() / ".cache" / "kvgate" / "bench"
+
+
+def export_for_peers(dtype: str) -> Path:
+    """SmolLM2 (dequantized from the packaged GGUF) as an HF directory, cached outside the repo."""
+    target = CACHE / f"smollm2-hf-{dtype}"
+    if not (target / "model.safetensors").exists():
+        save_hf_checkpoint(load_checkpoint(DEFAULT_MODEL), target, getattr(torch, dtype))
+    return target
+
+
+def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write counted once each: 2x the size)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * num_bytes / min(times)
+
+
+def workload(n: int, seed: int, prompt_range: tuple[int, int], out_range: tuple[int, int]):
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)
+    ]
+    outs = [rng.randint(*out_range) for _ in range(n)]
+    return prompts, outs
+
+
+def run_kvgate(llm: LLM, prompts: list[list[int]], outs: list[int]) -> float:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outs]
+    t = time.perf_counter()
+    results = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    assert [len(r.token_ids) for r in results] == outs
+    return sum(outs) / dt
+
+
+def run_hf(model, prompts: list[list[int]], outs: list[int], pad_id: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as HF wants for decoder-only generate
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    new = max(outs)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    dt = time.perf_counter() - t
+    return sum(outs) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[32, 128])
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--json", type=Path, default=None, help="also write results here")
+    a = ap.parse_args()
+    torch_dtype = getattr(torch, a.dtype)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {a.dtype}")
+    bw = measure_copy_bandwidth()
+    llm = LLM(dtype=a.dtype, kv_cache_memory="2GiB", max_num_seqs=128, max_num_batched_tokens=1024)
+    weight_bytes = llm.engine.model.weight_bytes()
+    bound = bw / weight_bytes
+    print(
+        f"copy bandwidth {bw / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB "
+        f"-> batch-1 decode bound {bound:.1f} tok/s"
+    )
+
+    hf = None
+    if not a.no_hf:
+        from transformers import LlamaForCausalLM
+
+        # The exact weights kvgate serves, as a plain HF checkpoint: transformers' own GGUF
+        # path keeps weights packed and computes in fp32, which would be an unfair peer.
+        hf_dir = export_for_peers(a.dtype)
+        hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+
+    # Warm-up both sides (allocator, oneDNN kernel selection).
+    wp, wo = workload(4, 0, (16, 32), (8, 8))
+    run_kvgate(llm, wp, wo)
+    if hf is not None:
+        run_hf(hf, wp, wo, pad_id=2)
+
+    # Batch-1 decode: a short prompt, then decode_tokens tokens; the prompt's share is small.
+    decode_runs = [run_kvgate(llm, [[100 + i] * 8], [a.decode_tokens]) for i in range(3)]
+    decode = statistics.median(decode_runs)
+    print(f"batch-1 decode: {decode:.1f} tok/s = {decode / bound:.0%} of the bandwidth bound")
+
+    rows = []
+    for n in a.concurrency:
+        prompts, outs = workload(n, 1000 + n, tuple(a.prompt_len), tuple(a.output_len))
+        ours = run_kvgate(llm, prompts, outs)
+        theirs = run_hf(hf, prompts, outs, pad_id=2) if hf is not None else float("nan")
+        rows.append(
+            {"concurrency": n, "kvgate_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs}
+        )
+        print(
+            f"n={n:3d}: kvgate {ours:7.1f} tok/s   transformers {theirs:7.1f} tok/s   "
+            f"ratio {ours / theirs:.2f}x",
+            flush=True,
+        )
+
+    print("\n== ratios ==")
+    print(
+        f"batch-1 decode / bandwidth bound: {decode / bound:.2f}"
+        f"  ({decode:.1f} / {bound:.1f} tok/s)"
+    )
+    for r in rows:
+        print(f"kvgate / transformers at {r['concurrency']:3d} sequences: {r['ratio']:.2f}x")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(
+            json.dumps(
+                {
+                    "dtype": a.dtype,
+                    "bandwidth_bytes_s": bw,
+                    "weight_bytes": weight_bytes,
+                    "decode_tok_s": decode,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""Load a llama.cpp GGUF file (llama / qwen2 architectures, byte-level BPE vocab) as a Checkpoint.
+
+Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), renamed to Hugging Face Llama
+names, and attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from kvgate.errors import CorruptWeights, UnsupportedModel
+from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
+from kvgate.model.config import ModelConfig, RopeScaling
+from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
+
+__all__ = ["is_gguf_file", "load_gguf", "load_gguf_tokenizer"]
+
+_MAGIC = b"GGUF"
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+
+# GGUF tensor name -> HF name. _LAYER_NAMES are the suffixes of "blk.{i}." -> "model.layers.{i}.".
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A ``.gguf`` suffix, or a file that starts with the GGUF magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _MAGIC
+    except OSError:
+        return False
+
+
+def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read config, tokenizer and weights from a GGUF file.
+
+    Raises:
+        CorruptWeights: the file does not parse (truncated, not GGUF) or a tensor is missing or
+            has the wrong shape; the message names the file (and tensor).
+        UnsupportedModel: an architecture, tokenizer or RoPE variant we cannot run.
+    """
+    file = str(path)
+    buf = _map(file)
+    fields, infos, data_start = _parse_header(buf, file)
+    config = _config_from_fields(fields, {t.name for t in infos}, file)
+    tokenizer = _tokenizer_from_fields(fields, file)
+
+    weights: dict[str, torch.Tensor] = {}
+    for info in infos:
+        name = _hf_name(info.name, file)
+        t = _read_tensor(buf, data_start, info, file)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+            t = _unpermute(t, heads, file, info.name)
+        weights[name] = t
+    check_weights(weights, config, file)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=file)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (reads the header, not the weights).
+
+    Raises:
+        CorruptWeights / UnsupportedModel: as :func:`load_gguf`.
+    """
+    file = str(path)
+    fields, _, _ = _parse_header(_map(file), file)
+    return _tokenizer_from_fields(fields, file)
+
+
+def _map(file: str) -> np.ndarray:
+    try:
+        return np.memmap(file, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        raise CorruptWeights(f"{file}: cannot read ({exc})", path=file) from exc
+
+
+def _unpermute(w: torch.Tensor, n_heads: int, file: str, name: str) -> torch.Tensor:
+    """Invert llama.cpp's convert permutation of Q/K rows.
+
+    llama.cpp stores each head's rows as interleaved (even, odd) rotary pairs:
+    ``w.reshape(n_heads, 2, hd // 2, in).swapaxes(1, 2)``; HF wants the two halves
+    (``rotate_half``), so reshape as ``(n_heads, hd // 2, 2, in)`` and swap back.
+    """
+    out = w.shape[0]
+    if out % (2 * n_heads) != 0:
+        raise CorruptWeights(
+            f"{file}: tensor {name!r} has {out} rows, not a multiple of 2 x {n_heads} heads",
+            path=file,
+        )
+    rest = w.shape[1:]
+    return (
+        w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+    ).contiguous()
+
+
+def _hf_name(gguf_name: str, file: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        raise UnsupportedModel(
+            f"{file}: llama3-style RoPE scaling stored as 'rope_freqs.weight' is not supported",
+            path=file,
+        )
+    raise UnsupportedModel(f"{file}: unexpected tensor {gguf_name!r}", path=file)
+
+
+# ----------------------------------------------------------------------------- file format
+# Our own header parser: gguf.GGUFReader builds a numpy view per array element, which takes
+# seconds for a 49k-token vocabulary; this reads the same layout with struct/frombuffer.
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: dims[0] is the contiguous (input) axis
+    qtype: GGMLQuantizationType
+    offset: int  # from the start of the data section
+
+
+# GGUF value type -> little-endian numpy dtype, for scalars and numeric arrays.
+_NUMERIC = {
+    GGUFValueType.UINT8: "<u1",
+    GGUFValueType.INT8: "<i1",
+    GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4",
+    GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4",
+    GGUFValueType.BOOL: "<u1",
+    GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8",
+    GGUFValueType.FLOAT64: "<f8",
+}
+
+
+class _Cursor:
+    """Sequential little-endian reads from a byte buffer; every overrun raises ValueError."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        # A memoryview slices without the per-slice cost of numpy (the vocab is ~100k strings).
+        self.mv: memoryview = buf.data
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.mv):
+            raise ValueError(f"unexpected end of file at byte {self.pos} (wanted {n} more)")
+        out = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self) -> int:
+        value: int = _U32.unpack(self.take(4))[0]
+        return value
+
+    def u64(self) -> int:
+        value: int = _U64.unpack(self.take(8))[0]
+        return value
+
+    def string(self) -> str:
+        return str(self.take(self.u64()), "utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type, count = self.u32(), self.u64()
+            if item_type in _NUMERIC:
+                dtype = np.dtype(_NUMERIC[GGUFValueType(item_type)])
+                items = np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
+                return [bool(v) for v in items] if item_type == GGUFValueType.BOOL else items
+            return [self.value(item_type) for _ in range(count)]
+        if vtype not in _NUMERIC:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        dtype = np.dtype(_NUMERIC[GGUFValueType(vtype)])
+        v = np.frombuffer(self.take(dtype.itemsize), dtype)[0].item()
+        return bool(v) if vtype == GGUFValueType.BOOL else v
+
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def _parse_header(buf: np.ndarray, file: str) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+    """(metadata, tensor infos, byte offset of the data section)."""
+    cur = _Cursor(buf)
+    try:
+        if bytes(cur.take(4)) != _MAGIC:
+            raise CorruptWeights(f"{file}: not a GGUF file (bad magic)", path=file)
+        version = cur.u32()
+        if version not in (2, 3):
+            raise UnsupportedModel(
+                f"{file}: GGUF version {version} is not supported (2 or 3, little-endian)",
+                path=file,
+            )
+        n_tensors, n_fields = cur.u64(), cur.u64()
+        fields: dict[str, Any] = {}
+        for _ in range(n_fields):
+            key = cur.string()
+            fields[key] = cur.value(cur.u32())
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = tuple(cur.u64() for _ in range(cur.u32()))
+            qtype = GGMLQuantizationType(cur.u32())
+            infos.append(_TensorInfo(name, dims, qtype, cur.u64()))
+    except ValueError as exc:  # overruns, unknown enum values
+        raise CorruptWeights(f"{file}: not a readable GGUF file ({exc})", path=file) from exc
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0:
+        raise CorruptWeights(f"{file}: invalid general.alignment {align!r}", path=file)
+    data_start = -(-cur.pos // align) * align
+    return fields, infos, data_start
+
+
+def _read_tensor(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str) -> torch.Tensor:
+    """One tensor as a CPU torch tensor of shape ``reversed(dims)`` (row-major, HF order).
+
+    Quantized types are dequantized to float32; F16/BF16 keep their dtype. Always a copy, since
+    the buffer is a read-only memory map.
+    """
+    if info.qtype not in GGML_QUANT_SIZES:
+        raise UnsupportedModel(f"{file}: tensor type {info.qtype.name} is not supported", path=file)
+    block, type_size = GGML_QUANT_SIZES[info.qtype]
+    n = math.prod(info.dims)
+    shape = tuple(reversed(info.dims))
+    start = data_start + info.offset
+    nbytes = n // block * type_size
+    # Quantized rows are whole blocks: the contiguous axis (dims[0]) is a multiple of the block.
+    if (info.dims and info.dims[0] % block != 0) or start + nbytes > len(buf):
+        raise CorruptWeights(
+            f"{file}: tensor {info.name!r} is truncated or malformed "
+            f"({nbytes} bytes at offset {start}, file has {len(buf)})",
+            path=file,
+        )
+    raw = buf[start : start + nbytes]
+    try:
+        if info.qtype == GGMLQuantizationType.F16:
+            return torch.from_numpy(raw.view(np.float16).reshape(shape).copy())
+        if info.qtype == GGMLQuantizationType.BF16:
+            return torch.from_numpy(raw.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
+        values = _dequantize(raw, info.qtype, shape, type_size)
+    except (ValueError, NotImplementedError) as exc:
+        raise CorruptWeights(
+            f"{file}: cannot dequantize tensor {info.name!r} ({info.qtype.name}: {exc})",
+            path=file,
+        ) from exc
+    return torch.from_numpy(values.reshape(shape))
+
+
+def _dequantize(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], type_size: int
+) -> np.ndarray:
+    """float32 values of a tensor's bytes; a new, writable array.
+
+    Q8_0/Q4_0/Q4_1 are done over the whole tensor at once, with the same float32 arithmetic as
+    gguf.quants (bit-identical, several times faster); other types go through gguf.quants.
+    """
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).copy()
+    blocks = raw.reshape(-1, type_size)
+    if qtype == GGMLQuantizationType.Q8_0:  # [d: f16][32 x int8]
+        d = blocks[:, :2].view(np.float16).astype(np.float32)
+        return blocks[:, 2:].view(np.int8).astype(np.float32) * d
+    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        # [d: f16]([m: f16])[16 bytes]: low nibbles are elements 0..15, high nibbles 16..31.
+        head = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
+        d = blocks[:, :2].view(np.float16).astype(np.float32)
+        qs = blocks[:, head:]
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+        if qtype == GGMLQuantizationType.Q4_0:
+            return d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
+        m = blocks[:, 2:4].view(np.float16).astype(np.float32)
+        return (d * q.astype(np.float32)) + m
+    from gguf.quants import dequantize  # the general (slower) path
+
+    rows = raw.reshape(-1, shape[-1] // GGML_QUANT_SIZES[qtype][0] * type_size)
+    return np.array(dequantize(rows, qtype), dtype=np.float32)
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; print-round-trip to the shortest decimal (9.99999974e-06 -> 1e-05),
+    # which is the value the original config.json held.
+    return float(str(np.float32(value)))
+
+
+class _Fields:
+    """Typed reads of GGUF metadata: a missing or ill-typed value is CorruptWeights naming the
+    file and key, never a bare TypeError/ValueError from a damaged file."""
+
+    def __init__(self, fields: dict[str, Any], file: str) -> None:
+        self.fields = fields
+        self.file = file
+
+    def _bad(self, key: str, what: str) -> CorruptWeights:
+        value = self.fields.get(key)
+        shown = repr(value) if len(repr(value)) < 80 else type(value).__name__
+        return CorruptWeights(
+            f"{self.file}: metadata {key} must be {what}, got {shown}", path=self.file
+        )
+
+    def pos_int(self, key: str, default: int | None = None) -> int:
+        value = self.fields.get(key, default)
+        if value is None:
+            raise CorruptWeights(f"{self.file}: metadata key {key} is missing", path=self.file)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise self._bad(key, "a positive integer")
+        return value
+
+    def opt_int(self, key: str) -> int | None:
+        value = self.fields.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self._bad(key, "a non-negative integer")
+        return value
+
+    def pos_float(self, key: str, default: float | None = None) -> float:
+        value = self.fields.get(key, default)
+        if value is None:
+            raise CorruptWeights(f"{self.file}: metadata key {key} is missing", path=self.file)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise self._bad(key, "a positive number")
+        return float(value)
+
+    def opt_str(self, key: str) -> str | None:
+        value = self.fields.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._bad(key, "a string")
+        return value
+
+    def opt_list(self, key: str, item: type) -> list[Any] | None:
+        value = self.fields.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise self._bad(key, f"a list of {item.__name__}")
+        return value
+
+
+def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str) or arch not in _SUPPORTED_ARCHS:
+        raise UnsupportedModel(
+            f"{file}: architecture {arch!r} is not supported (supported: llama, qwen2)", path=file
+        )
+    f = _Fields(fields, file)
+    hidden = f.pos_int(f"{arch}.embedding_length")
+    heads = f.pos_int(f"{arch}.attention.head_count")
+    kv_heads = f.pos_int(f"{arch}.attention.head_count_kv", heads)
+    head_dim = f.pos_int(f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = f.pos_int(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedModel(
+            f"{file}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) "
+            "are not supported",
+            path=file,
+        )
+    # The vocab size: stated, else the token list's length (check_weights compares it with the
+    # embedding's rows).
+    tokens = f.opt_list("tokenizer.ggml.tokens", str) or []
+    eos_ids = [f.opt_int("tokenizer.ggml.eos_token_id"), f.opt_int("tokenizer.ggml.eot_token_id")]
+    return make_config(
+        file,
+        architecture=arch,
+        vocab_size=f.pos_int(f"{arch}.vocab_size", len(tokens) or None),
+        hidden_size=hidden,
+        intermediate_size=f.pos_int(f"{arch}.feed_forward_length"),
+        num_layers=f.pos_int(f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_f32(f.pos_float(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(f.pos_float(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=f.pos_int(f"{arch}.context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=_rope_scaling(f, arch),
+        bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+    )
+
+
+def _rope_scaling(f: _Fields, arch: str) -> RopeScaling | None:
+    kind = f.opt_str(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise UnsupportedModel(
+            f"{f.file}: rope scaling type {kind!r} is not supported", path=f.file
+        )
+    factor = f.pos_float(f"{arch}.rope.scaling.factor", 1.0)
+    return None if factor == 1.0 else RopeScaling(kind="linear", factor=factor)
+
+
+def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
+    f = _Fields(fields, file)
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UnsupportedModel(
+            f"{file}: tokenizer type {model!r} is not supported (only byte-level BPE, 'gpt2')",
+            path=file,
+        )
+    pre = f.opt_str("tokenizer.ggml.pre")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise UnsupportedModel(
+            f"{file}: tokenizer pre-tokenizer type {pre!r} is not supported "
+            f"(supported: {sorted(p for p in GGUF_PRE_TOKENIZERS if p)})",
+            path=file,
+        )
+    tokens = f.opt_list("tokenizer.ggml.tokens", str)
+    merges = f.opt_list("tokenizer.ggml.merges", str)
+    if not tokens or merges is None:
+        raise CorruptWeights(f"{file}: tokenizer tokens or merges are missing", path=file)
+    token_types = f.opt_list("tokenizer.ggml.token_type", int)
+    if token_types is not None and len(token_types) != len(tokens):
+        raise CorruptWeights(f"{file}: token_type and tokens differ in length", path=file)
+    eot = f.opt_int("tokenizer.ggml.eot_token_id")
+    try:
+        return Tokenizer.from_gguf_fields(
+            tokens,
+            merges,
+            token_types,
+            pre=pre,
+            bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
+            eos_token_id=f.opt_int("tokenizer.ggml.eos_token_id"),
+            # convert_hf_to_gguf writes the flag; absent, do as transformers does for BPE: no BOS.
+            add_bos_token=fields.get("tokenizer.ggml.add_bos_token") is True,
+            chat_template=f.opt_str("tokenizer.chat_template"),
+            extra_eos_token_ids=[] if eot is None else [eot],
+        )
+    except ValueError as exc:  # malformed merges / vocabulary
+        raise CorruptWeights(f"{file}: {exc}", path=file) from exc

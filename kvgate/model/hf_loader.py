@@ -1,0 +1,241 @@
+"""Load a Hugging Face model directory (config.json + safetensors + tokenizer.json).
+
+Supports ``model_type`` llama, qwen2 and mistral, single-file or sharded safetensors
+(``model.safetensors.index.json``). Tensors keep their stored dtype (bf16 stays bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgate.errors import CorruptWeights, ModelNotFound, UnsupportedModel
+from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
+from kvgate.model.config import ModelConfig, RopeScaling
+from kvgate.tokenizer import Tokenizer
+
+__all__ = ["config_from_hf", "load_hf_dir"]
+
+_SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+_INDEX = "model.safetensors.index.json"
+# Buffers some older checkpoints saved alongside the weights; recomputed by the forward pass.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read config, tokenizer and weights from a Hugging Face directory.
+
+    Raises:
+        ModelNotFound: config.json, tokenizer.json or the safetensors are missing.
+        CorruptWeights: a file does not parse, or a tensor is missing or mis-shaped.
+        UnsupportedModel: a model type or feature the Llama forward pass cannot run.
+    """
+    root = Path(path)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFound(
+            f"{root}: no config.json (not a Hugging Face model directory)", path=str(config_file)
+        )
+    raw = _read_json(config_file)
+    generation_file = root / "generation_config.json"
+    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    tokenizer = Tokenizer.from_hf_dir(root)
+    config = config_from_hf(raw, str(config_file), generation=generation, tokenizer=tokenizer)
+
+    weights, sources = _load_safetensors(root)
+    if config.tie_word_embeddings:
+        # Some tied checkpoints also store the (identical) head; the forward pass reuses embed.
+        weights.pop("lm_head.weight", None)
+    for name in [n for n in weights if n.endswith(_IGNORED_SUFFIXES)]:
+        del weights[name]
+    where = str(root / _INDEX) if (root / _INDEX).is_file() else str(root)
+    check_weights(weights, config, where, sources)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(root))
+
+
+def config_from_hf(
+    raw: Mapping[str, Any],
+    file: str,
+    *,
+    generation: Mapping[str, Any] | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> ModelConfig:
+    """A ModelConfig from a parsed config.json (transformers v4 or v5 layout).
+
+    EOS ids are config.json's plus generation_config.json's, falling back to the tokenizer's.
+
+    Raises:
+        UnsupportedModel: model type, activation, rope type or bias layout we cannot run.
+        CorruptWeights: a required key is missing or has the wrong type.
+    """
+    model_type = raw.get("model_type")
+    if model_type not in _SUPPORTED_TYPES:
+        raise UnsupportedModel(
+            f"{file}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(_SUPPORTED_TYPES)})",
+            path=file,
+        )
+
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(
+            f"{file}: hidden_act {act!r} is not supported (only silu)", path=file
+        )
+    if raw.get("mlp_bias"):
+        raise UnsupportedModel(f"{file}: mlp_bias is not supported", path=file)
+    # Qwen2 always has q/k/v biases (and no o_proj bias). A Llama with attention_bias also biases
+    # o_proj, which this forward pass does not have.
+    attention_bias = model_type == "qwen2"
+    if model_type != "qwen2" and raw.get("attention_bias"):
+        raise UnsupportedModel(f"{file}: attention_bias (o_proj bias) is not supported", path=file)
+
+    # Sizes are validated by make_config; the two used in arithmetic here are checked first.
+    hidden = _positive_int(raw, "hidden_size", file)
+    heads = _positive_int(raw, "num_attention_heads", file)
+    max_pos = raw.get("max_position_embeddings")
+    window = _sliding_window(raw, model_type)
+    if window is not None and isinstance(max_pos, int) and window < max_pos:
+        # Attention within a window as long as the whole context is full attention: capping the
+        # context keeps the plain (full-attention) forward pass exact.
+        max_pos = window
+
+    rope_theta, rope_scaling = _rope(raw, file)
+    gen = generation or {}
+    eos = _int_list(raw.get("eos_token_id")) + _int_list(gen.get("eos_token_id"))
+    if not eos and tokenizer is not None:
+        eos = list(tokenizer.eos_token_ids)
+    bos = raw.get("bos_token_id")
+    if not isinstance(bos, int) and tokenizer is not None:
+        bos = tokenizer.bos_token_id
+    return make_config(
+        file,
+        architecture=model_type,
+        vocab_size=raw.get("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=raw.get("intermediate_size"),
+        num_layers=raw.get("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False) is True,
+        attention_bias=attention_bias,
+        rope_scaling=rope_scaling,
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, file: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CorruptWeights(f"{file}: {key} must be a positive integer, got {value!r}", path=file)
+    return value
+
+
+def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    return window
+
+
+def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
+    """(rope_theta, scaling) from v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``.
+    rope_theta is returned as read; make_config checks it."""
+    params = raw.get("rope_parameters")
+    params = params if isinstance(params, Mapping) else {}
+    scaling = raw.get("rope_scaling")
+    scaling = scaling if isinstance(scaling, Mapping) and scaling else params
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModel(
+            f"{file}: rope type {kind!r} is not supported (supported: default, linear, llama3)",
+            path=file,
+        )
+    try:
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            return theta, RopeScaling(kind="linear", factor=factor)
+        return theta, RopeScaling(
+            kind="llama3",
+            factor=factor,
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", 8192)
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptWeights(
+            f"{file}: bad {kind} rope scaling parameters: {exc}", path=file
+        ) from exc
+
+
+def _load_safetensors(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of the directory, and which file each came from."""
+    from safetensors import safe_open
+
+    index_file = root / _INDEX
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptWeights(f"{index_file}: no weight_map", path=str(index_file))
+        files = sorted({str(f) for f in weight_map.values()})
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        if any(root.glob("*.bin")):
+            raise UnsupportedModel(
+                f"{root}: only safetensors weights are supported, not .bin", path=str(root)
+            )
+        raise ModelNotFound(f"{root}: no *.safetensors weights", path=str(root))
+
+    weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, str] = {}
+    for name in files:
+        file = root / name
+        if not file.is_file():
+            raise ModelNotFound(f"{file}: shard listed in {_INDEX} is missing", path=str(file))
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    weights[key] = f.get_tensor(key)
+                    sources[key] = str(file)
+        except Exception as exc:  # SafetensorError, OSError on truncated/garbage files
+            raise CorruptWeights(
+                f"{file}: cannot read safetensors ({exc})", path=str(file)
+            ) from exc
+    return weights, sources
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptWeights(f"cannot parse {path}: {exc}", path=str(path)) from exc
+    if not isinstance(data, dict):
+        raise CorruptWeights(f"{path} must hold a JSON object", path=str(path))
+    return data
+
+
+def _int_list(value: object) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []

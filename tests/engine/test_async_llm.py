@@ -1,0 +1,119 @@
+"""The async front: streaming deltas, abort on early exit, isolation of bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvgate.config import EngineConfig
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.outputs import RequestOutput
+from kvgate.errors import DuplicateRequestId, EmptyPrompt
+from kvgate.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_llama_dir: Path) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM.from_config(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            kv_cache_memory="32MiB",
+            max_model_len=512,
+            max_num_batched_tokens=128,
+        )
+    )
+    yield llm
+    llm.shutdown()
+
+
+def _wait_until_idle(llm: AsyncLLM, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if llm.engine.kv_cache.pool.num_used_blocks == 0 and not llm.engine.scheduler.requests:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {llm.engine.scheduler.requests}")
+
+
+async def _collect(
+    llm: AsyncLLM, prompt: list[int], params: SamplingParams, rid: str | None = None
+) -> list[RequestOutput]:
+    return [o async for o in llm.generate(prompt, params, rid)]
+
+
+def test_stream_deltas_add_up_to_the_whole(async_llm: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
+    outs = asyncio.run(_collect(async_llm, [400, 401, 402], params))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert len(ids) == 10
+    assert "".join(o.text for o in outs) == async_llm.engine.tokenizer.decode(ids)
+
+
+def test_leaving_the_stream_aborts_the_request(async_llm: AsyncLLM) -> None:
+    async def consume_three() -> None:
+        gen = async_llm.generate(
+            [5] * 50, SamplingParams(max_tokens=400, ignore_eos=True), "leaver"
+        )
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == 3:
+                break
+        await gen.aclose()
+
+    asyncio.run(consume_three())
+    _wait_until_idle(async_llm, timeout=2.0)
+
+
+def test_cancel_storm_over_async_streams(async_llm: AsyncLLM) -> None:
+    """100 concurrent streams, 30 cancelled at random points: every block comes back."""
+    rng = random.Random(5)
+
+    async def one(i: int, cancel_after: int | None) -> str | None:
+        params = SamplingParams(
+            max_tokens=rng.randrange(4, 30), ignore_eos=True, temperature=0.7, seed=i
+        )
+        n = 0
+        last = None
+        async for out in async_llm.generate(
+            [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 80))], params
+        ):
+            n += 1
+            last = out.finish_reason
+            if cancel_after is not None and n >= cancel_after:
+                return "cancelled"
+        return last
+
+    async def storm() -> list[str | None]:
+        doomed = set(rng.sample(range(100), 30))
+        tasks = [one(i, rng.randrange(1, 4) if i in doomed else None) for i in range(100)]
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(storm())
+    assert results.count("cancelled") == 30
+    assert results.count("length") == 70
+    _wait_until_idle(async_llm)
+
+
+def test_bad_request_raises_and_others_still_run(async_llm: AsyncLLM) -> None:
+    async def scenario() -> list[RequestOutput]:
+        with pytest.raises(EmptyPrompt):
+            await _collect(async_llm, [], SamplingParams())
+        good = asyncio.create_task(
+            _collect(async_llm, [9, 8, 7], SamplingParams(max_tokens=5, ignore_eos=True), "good")
+        )
+        await asyncio.sleep(0)
+        with pytest.raises(DuplicateRequestId):
+            await _collect(async_llm, [1, 2], SamplingParams(), "good")
+        return await good
+
+    outs = asyncio.run(scenario())
+    assert outs[-1].finish_reason == "length"
+    _wait_until_idle(async_llm)

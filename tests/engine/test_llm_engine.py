@@ -1,0 +1,221 @@
+"""The synchronous engine: validation, abort, error isolation, block accounting."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.messages import RunnerOutput, SchedulerOutput
+from kvgate.errors import (
+    CorruptWeights,
+    DuplicateRequestId,
+    EmptyPrompt,
+    InvalidConfig,
+    InvalidRequest,
+    InvalidSamplingParams,
+    KVCacheTooSmall,
+    ModelNotFound,
+    PromptTooLong,
+)
+from kvgate.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            kv_cache_memory="32MiB",
+            max_model_len=512,
+            max_num_batched_tokens=64,
+        )
+    )
+
+
+def _drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[Any]]:
+    outs: dict[str, list[Any]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        steps += 1
+        assert steps < max_steps
+    return outs
+
+
+def _assert_no_blocks_held(engine: LLMEngine) -> None:
+    pool = engine.kv_cache.pool
+    pool.check_invariants()
+    assert pool.num_used_blocks == 0
+    assert not engine.kv_cache.req_blocks
+    assert not engine.runner.states or all(
+        rid not in engine.scheduler.requests for rid in engine.runner.states
+    )
+
+
+def test_empty_prompt_is_refused(engine: LLMEngine) -> None:
+    for prompt in ("", []):
+        with pytest.raises(EmptyPrompt) as err:
+            engine.add_request("e", prompt, SamplingParams())
+        assert err.value.param == "prompt"
+
+
+def test_prompt_over_context_names_the_numbers(engine: LLMEngine) -> None:
+    with pytest.raises(PromptTooLong) as err:
+        engine.add_request("long", [500] * 600, SamplingParams(max_tokens=4))
+    assert err.value.param == "prompt"
+    assert "512" in err.value.message and "600" in err.value.message
+    with pytest.raises(PromptTooLong):  # prompt fits, but not with the tokens asked for
+        engine.add_request("long2", [500] * 500, SamplingParams(max_tokens=20))
+
+
+def test_token_ids_outside_vocab_are_refused(engine: LLMEngine) -> None:
+    with pytest.raises(InvalidRequest, match="49152"):
+        engine.add_request("v", [1, 2, 10**6], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+    assert param in str(err.value)
+
+
+def test_duplicate_request_id(engine: LLMEngine) -> None:
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(DuplicateRequestId):
+        engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+    _drain(engine)
+    _assert_no_blocks_held(engine)
+
+
+def test_missing_model_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelNotFound, match="no-such-model"):
+        LLMEngine(EngineConfig(model=str(missing)))
+
+
+def test_corrupt_weights_file_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CorruptWeights, match=r"model\.safetensors"):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def test_bad_engine_settings(tiny_llama_dir: Path) -> None:
+    with pytest.raises(InvalidConfig) as err:
+        EngineConfig(dtype="int3")
+    assert err.value.param == "dtype"
+    with pytest.raises(InvalidConfig) as err:
+        EngineConfig(kv_cache_memory="lots")
+    assert err.value.param == "kv_cache_memory"
+    with pytest.raises(KVCacheTooSmall, match="max_model_len"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4KiB"))
+    with pytest.raises(InvalidConfig) as err:
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=100_000))
+    assert err.value.param == "max_model_len"
+
+
+def test_cancel_storm_on_the_real_engine(engine: LLMEngine) -> None:
+    """100 requests through the model, 30 aborted at random points: zero blocks leaked."""
+    rng = random.Random(11)
+    shared = [rng.randrange(100, 49000) for _ in range(40)]
+    for i in range(100):
+        prompt = shared[: rng.randrange(0, 40)] + [
+            rng.randrange(100, 49000) for _ in range(rng.randrange(1, 60))
+        ]
+        engine.add_request(
+            f"storm-{i}",
+            prompt,
+            SamplingParams(max_tokens=rng.randrange(1, 24), temperature=0.8, seed=i),
+        )
+    doomed = set(rng.sample(range(100), 30))
+    finish: dict[str, str | None] = {}
+    steps = 0
+    while engine.has_unfinished():
+        live = [i for i in doomed if f"storm-{i}" in engine.scheduler.requests]
+        if live and rng.random() < 0.4:
+            victim = rng.choice(live)
+            engine.abort([f"storm-{victim}"])
+            doomed.discard(victim)
+        for out in engine.step():
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        steps += 1
+        assert steps < 20_000
+    assert len(finish) == 100  # every request ended with a final output
+    assert sum(r == "abort" for r in finish.values()) >= 15
+    _assert_no_blocks_held(engine)
+    # Finished requests' runner state is dropped on the next step.
+    engine.step()
+    assert not engine.runner.states
+
+
+class _PoisonRunner:
+    """Wraps the real runner; the step containing the poisoned request raises."""
+
+    def __init__(self, inner: Any, poison: str) -> None:
+        self.inner = inner
+        self.poison = poison
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if any(s.request_id == self.poison for s in out.sequences):
+            raise RuntimeError("simulated kernel failure")
+        result: RunnerOutput = self.inner.execute(out)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir: Path) -> None:
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256
+        )
+    )
+    eng.runner = _PoisonRunner(eng.runner, "poison")  # type: ignore[assignment]
+    eng.add_request("poison", [9, 9, 9], SamplingParams(max_tokens=4))
+    outs = _drain(eng)
+    assert outs["poison"][-1].finish_reason == "error"
+    assert "simulated kernel failure" in (outs["poison"][-1].error or "")
+    eng.add_request("healthy", [9, 9, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    outs = _drain(eng)
+    assert outs["healthy"][-1].finish_reason == "length"
+    assert eng.kv_cache.pool.num_used_blocks == 0
+
+
+def test_deltas_and_final_output(engine: LLMEngine) -> None:
+    engine.add_request(
+        "d", [100, 200, 300], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    )
+    outs = _drain(engine)["d"]
+    assert [o.finished for o in outs] == [False] * 5 + [True]
+    assert outs[-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outs) == 6
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == 6 and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert [lp.token_id for lp in lps] == [t for o in outs for t in o.new_token_ids]

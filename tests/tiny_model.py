@@ -1,0 +1,42 @@
+"""Tiny random-weight Llama checkpoints for fast tests, saved the way HF checkpoints arrive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvgate.tokenizer import Tokenizer
+
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 49152,  # SmolLM2's tokenizer
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    # Larger than HF's default 0.02: peakier logits, so greedy choices are not near-ties
+    # that float rounding could flip.
+    "initializer_range": 0.25,
+}
+
+
+def build_tiny_llama(
+    directory: Path, tokenizer: Tokenizer, seed: int = 0, **overrides: Any
+) -> Path:
+    """Save a random-weight LlamaForCausalLM (fp32 safetensors) plus tokenizer into directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_hf(directory)
+    return directory
