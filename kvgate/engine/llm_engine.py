@@ -27,6 +27,7 @@ from kvgate.errors import (
 )
 from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
+from kvgate.model.cpu_kernels import load_paged_decode
 from kvgate.model.llama import LlamaModel
 from kvgate.sampling_params import SamplingParams
 from kvgate.tokenizer import Tokenizer
@@ -77,6 +78,7 @@ class LLMEngine:
                 checkpoint.config.num_heads,
                 checkpoint.config.num_kv_heads,
                 checkpoint.config.head_dim,
+                decode_kernel=load_paged_decode() if self.device.type == "cpu" else None,
             ),
             source=checkpoint.path,
         )
@@ -84,7 +86,10 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.kv_pool = self._size_kv_pool()
         kv_caches = allocate_kv_caches(
-            self.model_config, self.kv_pool.num_blocks, config.block_size, self.dtype, self.device
+            self.model_config,
+            self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
+            self.dtype,
+            self.device,
         )
         self.kv_cache = KVCacheManager(
             self.kv_pool.num_blocks,

@@ -21,13 +21,11 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def allocate_kv_caches(
     config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
+    shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCaches:
-    """One (K, V) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """One (K, V) pair per layer, each of the attention backend's cache ``shape``."""
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),
@@ -134,15 +132,22 @@ class ModelRunner:
         num_dec = len(decodes)
         if num_dec:
             max_blocks = max(-(-s.context_len // bs) for s in decodes)
-            tables = [list(s.block_ids[:max_blocks]) for s in decodes]
-            tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-            decode_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
+            flat_tables: list[int] = []
+            for s in decodes:
+                table = s.block_ids[:max_blocks]
+                flat_tables += table
+                flat_tables += [0] * (max_blocks - len(table))  # padding, hidden by the bias
+            decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
             lens = torch.tensor([s.context_len for s in decodes], dtype=torch.int64, device=dev)
             span = torch.arange(max_blocks * bs, device=dev)
-            decode_mask = (span[None, :] < lens[:, None]).view(num_dec, 1, 1, -1)
+            hidden = span[None, :] >= lens[:, None]
+            decode_bias = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
+            decode_bias.masked_fill_(hidden, float("-inf"))
+            decode_bias = decode_bias.view(1, num_dec, 1, -1)
         else:
-            decode_tables = torch.empty((0, 0), dtype=torch.int64, device=dev)
-            decode_mask = torch.empty((0, 1, 1, 0), dtype=torch.bool, device=dev)
+            decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
+            lens = torch.empty((0,), dtype=torch.int64, device=dev)
+            decode_bias = torch.empty((1, 0, 1, 0), dtype=torch.float32, device=dev)
 
         slices: list[PrefillSlice] = []
         row = num_dec
@@ -155,8 +160,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=num_dec,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_blocks=decode_blocks,
+            decode_lens=lens,
+            decode_bias=decode_bias,
             prefills=tuple(slices),
         )
         return FlatBatch(

@@ -3,9 +3,8 @@
 The runner describes a step as one flat batch (the layout GPU paged-attention kernels read):
 every scheduled token in one row, with a slot mapping into the KV pool and a block table per
 sequence. ``TorchAttention`` is the plain-PyTorch backend for the CPU; a GPU backend swaps in a
-kernel behind the same ``forward``.
+kernel (and its own cache layout) behind the same interface.
 
-KV cache of one layer: ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim].
 Token ``t`` of a sequence lives at flat slot
 ``block_table[t // block_size] * block_size + t % block_size``.
 """
@@ -13,10 +12,13 @@ Token ``t`` of a sequence lives at flat slot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvgate.model.cpu_kernels import PagedDecodeKernel
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,17 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64, flat slot of each token's K/V
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_blocks: torch.Tensor  # [num_decodes * max_blocks] int64, block tables, 0-padded
+    decode_lens: torch.Tensor  # [num_decodes] int64, context length of each decode
+    decode_bias: torch.Tensor  # [1, num_decodes, 1, max_blocks * block_size] f32, 0 or -inf
     prefills: tuple[PrefillSlice, ...]
 
 
 class AttentionBackend(Protocol):
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) cache tensor."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -62,14 +69,32 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """Paged attention in plain PyTorch: batched decode, per-sequence prefill."""
+    """Paged attention in plain PyTorch: batched decode, per-sequence prefill.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    Cache layout is head-major, ``[Hkv, num_blocks, block_size, D]``: gathering a batch's
+    blocks with one ``index_select`` then yields each head's keys contiguous,
+    ``[Hkv, B, L, D]``, ready for a batched matmul with no further copy.
+
+    ``decode_kernel``: a native paged-decode kernel (``cpu_kernels``) that reads K/V straight
+    from the pool instead of gathering a copy first, ~3x less memory traffic per decode.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        decode_kernel: PagedDecodeKernel | None = None,
+    ) -> None:
+        self.decode_kernel = decode_kernel
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
     def forward(
         self,
@@ -82,9 +107,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         # Write this step's K/V first, so every sequence reads its whole context from the pool.
         hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
@@ -92,21 +119,30 @@ class TorchAttention:
             out[p.token_start : p.token_end] = self._prefill(q, k, v, k_cache, v_cache, p)
         return out
 
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[Hkv, N, bs, D] cache, [n] block ids -> [Hkv, n * bs, D], contiguous per head."""
+        hkv, num_blocks, bs, d = cache.shape
+        return cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
+
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.decode_kernel is not None and self.decode_kernel.supports(q.dtype):
+            return self.decode_kernel(
+                q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale
+            )
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
-        # Gather each sequence's blocks: [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D].
-        keys = k_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].view(b, -1, hkv, d).transpose(1, 2)
-        # GQA without repeating K/V: the query heads sharing a KV head act as that head's
-        # "query rows": q [B, Hq, D] -> [B, Hkv, group, D]. One query token means no causal mask,
-        # only the padding mask for blocks past each sequence's length.
-        qg = q.view(b, hkv, self.group, d)
-        o = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale
-        )
-        return o.reshape(b, self.num_heads, d)
+        keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
+        values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, d)
+        # GQA without repeating K/V: the query heads sharing a KV head are that head's
+        # "query rows", q [B, Hq, D] -> [Hkv, B, group, D]. One query token per sequence
+        # needs no causal mask, only the bias that hides padding past each length.
+        qh = q.view(b, hkv, self.group, d).transpose(0, 1)
+        scores = torch.matmul(qh, keys.transpose(-1, -2)).float()  # [Hkv, B, group, L]
+        scores.mul_(self.scale).add_(meta.decode_bias)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [Hkv, B, group, D]
+        return out.transpose(0, 1).reshape(b, self.num_heads, d)
 
     def _prefill(
         self,
@@ -117,17 +153,16 @@ class TorchAttention:
         v_cache: torch.Tensor,
         p: PrefillSlice,
     ) -> torch.Tensor:
-        hkv, d = self.num_kv_heads, self.head_dim
         qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if p.start_pos == 0:
             # A whole fresh prompt: its keys are exactly this step's, no gather needed.
-            ks = k[p.token_start : p.token_end]
-            vs = v[p.token_start : p.token_end]
+            ks = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, Lq, D]
+            vs = v[p.token_start : p.token_end].transpose(0, 1)
             mask = None
             causal = True
         else:
-            ks = k_cache[p.block_table].view(-1, hkv, d)[: p.context_len]
-            vs = v_cache[p.block_table].view(-1, hkv, d)[: p.context_len]
+            ks = self._gather(k_cache, p.block_table)[:, : p.context_len]  # [Hkv, ctx, D]
+            vs = self._gather(v_cache, p.block_table)[:, : p.context_len]
             lq = p.token_end - p.token_start
             # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
             q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)
@@ -135,8 +170,8 @@ class TorchAttention:
             causal = False
         o = F.scaled_dot_product_attention(
             qs,
-            ks.transpose(0, 1).unsqueeze(0),
-            vs.transpose(0, 1).unsqueeze(0),
+            ks.unsqueeze(0),
+            vs.unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
             scale=self.scale,

@@ -103,7 +103,12 @@ def make_config(file: str, **fields: Any) -> ModelConfig:
             )
     for key in ("rms_norm_eps", "rope_theta"):
         value = fields.get(key)
-        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             raise CorruptWeights(
                 f"{file}: {key} must be a positive number, got {value!r}", path=file
             )
@@ -126,7 +131,7 @@ def check_weights(
     otherwise ``path`` is named.
 
     Raises:
-        CorruptWeights: a tensor is missing or has the wrong shape.
+        CorruptWeights: a tensor is missing, has the wrong shape, or holds inf/NaN.
         UnsupportedModel: a tensor this forward pass would ignore is present.
     """
     seen: set[str] = set()
@@ -140,6 +145,9 @@ def check_weights(
                 f"{where}: tensor {name!r} has shape {list(got)}, expected {list(shape)}",
                 path=where,
             )
+        if weights[name].is_floating_point() and not bool(torch.isfinite(weights[name]).all()):
+            where = (sources or {}).get(name, path)
+            raise CorruptWeights(f"{where}: tensor {name!r} has inf/NaN values", path=where)
         seen.add(name)
     extra = sorted(set(weights) - seen)
     if extra:

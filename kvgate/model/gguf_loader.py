@@ -273,7 +273,9 @@ def _read_tensor(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str)
             return torch.from_numpy(raw.view(np.float16).reshape(shape).copy())
         if info.qtype == GGMLQuantizationType.BF16:
             return torch.from_numpy(raw.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
-        values = _dequantize(raw, info.qtype, shape, type_size)
+        # Damaged scales can be inf/NaN; check_weights rejects non-finite weights by name.
+        with np.errstate(all="ignore"):
+            values = _dequantize(raw, info.qtype, shape, type_size)
     except (ValueError, NotImplementedError) as exc:
         raise CorruptWeights(
             f"{file}: cannot dequantize tensor {info.name!r} ({info.qtype.name}: {exc})",

@@ -7,10 +7,11 @@ Supports ``model_type`` llama, qwen2 and mistral, single-file or sharded safeten
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -53,7 +54,13 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
         weights.pop("lm_head.weight", None)
     for name in [n for n in weights if n.endswith(_IGNORED_SUFFIXES)]:
         del weights[name]
-    where = str(root / _INDEX) if (root / _INDEX).is_file() else str(root)
+    # Where a missing tensor should have been: the shard index, or the one weights file.
+    files = set(sources.values())
+    where = str(root)
+    if (root / _INDEX).is_file():
+        where = str(root / _INDEX)
+    elif len(files) == 1:
+        where = files.pop()
     check_weights(weights, config, where, sources)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(root))
 
@@ -152,10 +159,11 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
 def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
     """(rope_theta, scaling) from v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``.
     rope_theta is returned as read; make_config checks it."""
-    params = raw.get("rope_parameters")
-    params = params if isinstance(params, Mapping) else {}
-    scaling = raw.get("rope_scaling")
-    scaling = scaling if isinstance(scaling, Mapping) and scaling else params
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, Mapping):
+            raise CorruptWeights(f"{file}: {key} must be an object, got {value!r}", path=file)
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
@@ -165,23 +173,32 @@ def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
             f"{file}: rope type {kind!r} is not supported (supported: default, linear, llama3)",
             path=file,
         )
-    try:
-        factor = float(scaling["factor"])
-        if kind == "linear":
-            return theta, RopeScaling(kind="linear", factor=factor)
-        return theta, RopeScaling(
-            kind="llama3",
-            factor=factor,
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings", 8192)
-            ),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+
+    def number(key: str, default: float | None = None) -> float:
+        value = scaling.get(key, default)
+        if not _is_number(value) or not value > 0:
+            raise CorruptWeights(
+                f"{file}: {kind} rope scaling {key} must be a positive number, got {value!r}",
+                path=file,
+            )
+        return float(value)
+
+    factor = number("factor")
+    if kind == "linear":
+        return theta, RopeScaling(kind="linear", factor=factor)
+    low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
+    original = scaling.get("original_max_position_embeddings", 8192)
+    if high <= low or not isinstance(original, int) or isinstance(original, bool) or original <= 0:
         raise CorruptWeights(
-            f"{file}: bad {kind} rope scaling parameters: {exc}", path=file
-        ) from exc
+            f"{file}: llama3 rope scaling needs high_freq_factor > low_freq_factor and a positive "
+            f"original_max_position_embeddings, got {high}, {low}, {original!r}",
+            path=file,
+        )
+    return theta, RopeScaling("llama3", factor, low, high, original)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _load_safetensors(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -16,26 +16,26 @@ import torch.nn.functional as F
 from kvgate.errors import CorruptWeights
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
+from kvgate.model.linear import Linear, make_linear, should_pack
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H], q, k and v fused into one matmul
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D] (Qwen2)
-    o: torch.Tensor  # [H, Hq D]
+    qkv: Linear  # H -> (Hq + 2 Hkv) D: q, k and v fused into one matmul (+ bias for Qwen2)
+    o: Linear  # Hq D -> H
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H], gate and up fused
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # H -> 2 I: gate and up fused
+    down: Linear  # I -> H
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm exactly: normalise in float32, cast back, then scale."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """HF LlamaRMSNorm exactly: normalise in float32, cast back, then scale.
+
+    ``F.rms_norm`` is one fused kernel and gives bit-identical results to HF's four ops.
+    """
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 class LlamaModel:
@@ -57,12 +57,15 @@ class LlamaModel:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        self._pack = should_pack(device, dtype)
+        self._num_params = 0
 
         self.embed = self._take(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            lm_head = self.embed
         else:
-            self.lm_head = self._take(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+            lm_head = self._take(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = make_linear(lm_head, None, pack=self._pack)
         self.final_norm = self._take(weights, "model.norm.weight", (c.hidden_size,))
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(
@@ -80,6 +83,8 @@ class LlamaModel:
                 f"tensor {name!r} in {self._source} has shape {tuple(w.shape)}, expected {shape}",
                 path=self._source,
             )
+        if not name.endswith("lm_head.weight"):
+            self._num_params += w.numel()
         return w.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
@@ -100,24 +105,20 @@ class LlamaModel:
             )
         gate = self._take(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
         up = self._take(weights, p + "mlp.up_proj.weight", (c.intermediate_size, h))
+        o = self._take(weights, p + "self_attn.o_proj.weight", (h, self.q_size))
+        down = self._take(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
         return LayerWeights(
             input_norm=self._take(weights, p + "input_layernorm.weight", (h,)),
-            qkv=torch.cat([q, k, v]).contiguous(),
-            qkv_bias=bias,
-            o=self._take(weights, p + "self_attn.o_proj.weight", (h, self.q_size)),
+            qkv=make_linear(torch.cat([q, k, v]).contiguous(), bias, pack=self._pack),
+            o=make_linear(o, None, pack=self._pack),
             post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=torch.cat([gate, up]).contiguous(),
-            down=self._take(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+            gate_up=make_linear(torch.cat([gate, up]).contiguous(), None, pack=self._pack),
+            down=make_linear(down, None, pack=self._pack),
         )
 
     def num_parameters(self) -> int:
-        tensors = [self.embed, self.final_norm]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
-        for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm]
-            tensors += [layer.gate_up, layer.down]
-        return sum(t.numel() for t in tensors)
+        """Parameters as loaded (a tied LM head counts once)."""
+        return self._num_params
 
     def weight_bytes(self) -> int:
         return self.num_parameters() * self.embed.element_size()
@@ -137,21 +138,21 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             residual = x
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(t, c.num_kv_heads, c.head_dim)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x = residual + F.linear(attn.reshape(t, self.q_size), layer.o)
+            x = residual + layer.o(attn.reshape(t, self.q_size))
 
             residual = x
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = residual + layer.down(F.silu(gate) * up)
         return rms_norm(x, self.final_norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] in float32 (as HF upcasts them)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -215,3 +215,21 @@ def test_block_ownership_under_random_requests_and_aborts(
     run_to_completion(sched, runner)
     _check_ownership(sched)
     assert_pool_whole(sched)
+
+
+def test_prefix_counters_count_each_admission_once() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    runner = FakeRunner()
+    # "big" holds 6-8 of the 8 blocks, so "b" (3 blocks) retries admission for several steps.
+    sched.add_request(make_request("big", list(range(100, 124)), max_tokens=8))
+    sched.add_request(make_request("b", list(range(12)), max_tokens=1))
+    out = sched.schedule()
+    assert [s.request_id for s in out.sequences] == ["big"]
+    sched.update(out, runner.execute(out))
+    run_to_completion(sched, runner)
+    assert sched.kv_cache.prefix_queries == 24 + 12
+    assert sched.kv_cache.prefix_hits == 0
+    sched.add_request(make_request("b2", list(range(12)), max_tokens=1))
+    run_to_completion(sched, runner)
+    assert sched.kv_cache.prefix_queries == 24 + 12 + 12
+    assert sched.kv_cache.prefix_hits == 8  # b2 reused b's first two blocks

@@ -184,7 +184,7 @@ def _assert_same_weights(ckpt: Checkpoint, state: dict[str, torch.Tensor]) -> No
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(
+def tiny_llama_saved(
     tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     directory = tmp_path_factory.mktemp("tiny-llama")
@@ -192,13 +192,13 @@ def tiny_llama_dir(
 
 
 @pytest.fixture
-def tiny_copy(tiny_llama_dir: tuple[Path, Any], tmp_path: Path) -> Path:
+def tiny_copy(tiny_llama_saved: tuple[Path, Any], tmp_path: Path) -> Path:
     """A private copy of the tiny Llama directory, for tests that damage it."""
-    return Path(shutil.copytree(tiny_llama_dir[0], tmp_path / "model"))
+    return Path(shutil.copytree(tiny_llama_saved[0], tmp_path / "model"))
 
 
-def test_hf_llama_dir_loads_every_tensor(tiny_llama_dir: tuple[Path, Any]) -> None:
-    directory, state = tiny_llama_dir
+def test_hf_llama_dir_loads_every_tensor(tiny_llama_saved: tuple[Path, Any]) -> None:
+    directory, state = tiny_llama_saved
     ckpt = load_checkpoint(directory)
     _assert_same_weights(ckpt, state)
     assert "lm_head.weight" in ckpt.weights  # untied
@@ -439,6 +439,24 @@ def test_synthetic_gguf_qwen2_biases_and_f16(tmp_path: Path) -> None:
         assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "F32"])
+def test_dequantize_fast_paths_equal_gguf_py(qtype: str) -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvgate.model.gguf_loader import _dequantize
+
+    kind = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
+    packed = quantize(values, kind)
+    raw = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
+    got = _dequantize(raw, kind, values.shape, GGML_QUANT_SIZES[kind][1]).reshape(values.shape)
+    expected = dequantize(packed, kind)
+    assert got.dtype == np.float32 and got.flags.writeable
+    np.testing.assert_array_equal(got, expected)
+
+
 # --------------------------------------------------------------------------------- errors
 
 
@@ -558,7 +576,7 @@ def test_missing_and_misshaped_safetensors_tensor(tiny_copy: Path) -> None:
     save_file(state, str(weights))
     with pytest.raises(CorruptWeights, match=r"model\.layers\.1\.self_attn\.v_proj") as info:
         load_checkpoint(tiny_copy)
-    assert str(tiny_copy) in info.value.message
+    assert str(weights) in info.value.message
 
     state["model.layers.1.self_attn.v_proj.weight"] = torch.zeros(32, 63)
     save_file(state, str(weights))
@@ -566,9 +584,37 @@ def test_missing_and_misshaped_safetensors_tensor(tiny_copy: Path) -> None:
         load_checkpoint(tiny_copy)
 
 
+def test_nan_weight_is_corrupt(tiny_copy: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = tiny_copy / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(state, str(weights))
+    with pytest.raises(CorruptWeights, match=r"model\.safetensors.*up_proj.*NaN"):
+        load_checkpoint(tiny_copy)
+
+
 def test_unsupported_rope_type(tiny_copy: Path) -> None:
     _edit_config(tiny_copy, rope_parameters={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(UnsupportedModel, match=r"config\.json.*'yarn'"):
+        load_checkpoint(tiny_copy)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_parameters": {"rope_type": "linear", "factor": -2.0}},
+        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 0.5}},
+        {"rope_parameters": "linear"},
+        {"num_key_value_heads": 3},  # 4 heads do not split into 3 groups
+        {"num_hidden_layers": "2"},
+        {"rms_norm_eps": float("nan")},
+    ],
+)
+def test_bad_config_values_name_config_json(tiny_copy: Path, changes: dict[str, Any]) -> None:
+    _edit_config(tiny_copy, **changes)
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         load_checkpoint(tiny_copy)
 
 

@@ -1,0 +1,128 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and loaded by ctypes.
+
+The source is plain C (no torch headers), so a build takes about a second. The shared object
+is cached per source and CPU (``~/.cache/kvgate/kernels`` or ``$KVGATE_KERNEL_CACHE``). When
+no compiler is present or the build fails, ``load_paged_decode`` returns None and callers use
+the plain-PyTorch path: the kernels are an acceleration, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvgate.model")
+
+_SOURCE = "paged_decode.c"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVGATE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "kvgate" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """Flags of this CPU, so a library built with -march=native is never loaded elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _build(source: str) -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler found; using the PyTorch attention path")
+        return None
+    key = hashlib.sha256((source + " ".join(_FLAGS) + _cpu_signature()).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / _SOURCE
+        src.write_text(source)
+        out = Path(tmp) / target.name
+        proc = subprocess.run(
+            [cc, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            log.warning("building the paged decode kernel failed:\n%s", proc.stderr[-2000:])
+            return None
+        os.replace(out, target)  # atomic: concurrent builders never see half a file
+    return target
+
+
+class PagedDecodeKernel:
+    """ctypes front of ``paged_decode_{bf16,f32}``; calls release the GIL."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                *([ctypes.c_void_p] * 6),
+                *([ctypes.c_int] * 4),
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_float,
+            ]
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._fns
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [B, Hq, D] contiguous
+        k_cache: torch.Tensor,  # [Hkv, N, BS, D]
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,  # [B * max_blocks] int64
+        lens: torch.Tensor,  # [B] int64
+        scale: float,
+    ) -> torch.Tensor:
+        b, hq, d = q.shape
+        hkv, n, bs, _ = k_cache.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        max_blocks = tables.numel() // b
+        rc = self._fns[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, n, bs, max_blocks, scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"paged decode kernel refused shapes: heads/kv={hq // hkv}, dim={d}")
+        return out
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecodeKernel | None:
+    """The compiled kernel, or None where it cannot be built (then PyTorch is used)."""
+    if os.environ.get("KVGATE_DISABLE_KERNELS"):
+        return None
+    try:
+        source = resources.files("kvgate.model").joinpath("csrc", _SOURCE).read_text()
+        path = _build(source)
+        return PagedDecodeKernel(ctypes.CDLL(str(path))) if path else None
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("paged decode kernel unavailable (%s); using PyTorch", exc)
+        return None
