@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from kvgate.model.cpu_kernels import PagedDecodeKernel
 
 
+#: Fresh prompts up to this many tokens use ``_short_prefill`` (measured crossover ~300).
+_SHORT_PREFILL = 256
+
+
 @dataclass(frozen=True)
 class PrefillSlice:
     """A sequence with more than one query token this step (a prompt or a prompt chunk)."""
@@ -153,6 +157,13 @@ class TorchAttention:
         v_cache: torch.Tensor,
         p: PrefillSlice,
     ) -> torch.Tensor:
+        lq = p.token_end - p.token_start
+        if p.start_pos == 0 and lq <= _SHORT_PREFILL:
+            return self._short_prefill(
+                q[p.token_start : p.token_end],
+                k[p.token_start : p.token_end],
+                v[p.token_start : p.token_end],
+            )
         qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if p.start_pos == 0:
             # A whole fresh prompt: its keys are exactly this step's, no gather needed.
@@ -163,7 +174,6 @@ class TorchAttention:
         else:
             ks = self._gather(k_cache, p.block_table)[:, : p.context_len]  # [Hkv, ctx, D]
             vs = self._gather(v_cache, p.block_table)[:, : p.context_len]
-            lq = p.token_end - p.token_start
             # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
             q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)
             mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -178,3 +188,18 @@ class TorchAttention:
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
+
+    def _short_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a short fresh prompt with two batched matmuls.
+
+        q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]. For a few hundred tokens this is ~1.5x
+        faster than the CPU SDPA kernel; the query heads of a KV head become extra rows.
+        """
+        n, hkv, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        qh = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)  # rows (g, i)
+        scores = torch.matmul(qh, k.transpose(0, 1).transpose(1, 2)).float().view(hkv, g, n, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+        scores.mul_(self.scale).masked_fill_(causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, g * n, n)
+        out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, g * L, D]
+        return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)

@@ -51,18 +51,18 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim], HF's layout
         # Computed in float32, then cast: the same values HF's LlamaRotaryEmbedding produces.
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        sin = emb.sin().to(dtype=dtype, device=device)
+        # HF rotates with rotate_half(x) = cat(-x2, x1). Folding the minus sign into the first
+        # half of the table turns that into a plain roll of x: cat(x2, x1) * cat(-s1, s2).
+        # Negation is exact, so the products are bit-identical to HF's.
+        half = head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions: [T, 1, head_dim] each, broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, signed sin for these positions: [T, 1, head_dim] each, broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
-    return (x * cos) + (_rotate_half(x) * sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; tables from ``RotaryEmbedding.tables``: [T, 1, head_dim]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

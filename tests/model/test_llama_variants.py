@@ -1,0 +1,79 @@
+"""The forward pass matches HF transformers on the Llama-family variants the loader accepts:
+Llama-3 and linear RoPE scaling, an untied LM head, and Qwen2's q/k/v biases."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgate import SamplingParams
+from kvgate.entrypoints.llm import LLM
+from kvgate.tokenizer import Tokenizer
+from tests.tiny_model import TINY_LLAMA
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # original_max_position_embeddings=64 puts prompt positions in all three llama3 regions.
+    "llama3-rope": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "untied-head": {"tie_word_embeddings": False},
+    "qwen2-bias": {"model_type": "qwen2"},
+}
+
+
+def _build(directory: Path, tokenizer: Tokenizer, variant: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    overrides = dict(VARIANTS[variant])
+    if overrides.pop("model_type", None) == "qwen2":
+        model: Any = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
+        # HF initialises biases to zero; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides}))
+    model.eval().save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_hf(directory)
+    return directory
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_matches_transformers(
+    variant: str, tmp_path: Path, smollm2_tokenizer: Tokenizer
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory = _build(tmp_path / variant, smollm2_tokenizer, variant)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (1, 40, 300, 900)]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                pad_token_id=2, eos_token_id=2,
+            )  # fmt: skip
+        expected.append(gen[0, len(p) :].tolist())
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=128)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert [list(o.token_ids) for o in outs] == expected
