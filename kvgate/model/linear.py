@@ -43,7 +43,10 @@ class PackedCpuLinear:
         self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 def _packing_works(dtype: torch.dtype) -> bool:
@@ -66,6 +69,6 @@ def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and _packing_works(dtype)
     )
