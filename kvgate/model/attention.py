@@ -60,15 +60,27 @@ class AttentionBackend(Protocol):
         """Shape of one layer's K (and V) cache tensor."""
         ...
 
-    def forward(
+    def write_kv(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+    ) -> None:
+        """Store this step's K/V at ``meta.slot_mapping``."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], already written to the cache
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Attention of every query over its sequence's context, read from the pool."""
         ...
 
 
@@ -100,7 +112,19 @@ class TorchAttention:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
-    def forward(
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -109,11 +133,8 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # Write this step's K/V first, so every sequence reads its whole context from the pool.
-        hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-
+        # K/V of this step are in the pool already, so every sequence reads its whole context
+        # from there (a fresh prompt uses k and v directly).
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)

@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded by ctypes.
 
-The source is plain C (no torch headers), so a build takes about a second. The shared object
-is cached per source and CPU (``~/.cache/kvgate/kernels`` or ``$KVGATE_KERNEL_CACHE``). When
-no compiler is present or the build fails, ``load_paged_decode`` returns None and callers use
-the plain-PyTorch path: the kernels are an acceleration, never a requirement.
+The sources (``csrc/``) are plain C with no torch headers, so a build takes about a second.
+Each shared object is cached per source and CPU (``~/.cache/kvgate/kernels`` or
+``$KVGATE_KERNEL_CACHE``). When no compiler is present or a build fails, the loaders return
+None and callers use the plain-PyTorch path: the kernels are an acceleration, never a
+requirement. ``KVGATE_DISABLE_KERNELS=1`` forces the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ import torch
 
 log = logging.getLogger("kvgate.model")
 
-_SOURCE = "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+#: Attention may reassociate sums (vectorised dot products); the fused element-wise ops must
+#: round exactly where PyTorch does, so no fast-math and no FMA contraction there.
+_FLAGS = {
+    "paged_decode.c": [*_COMMON, "-ffast-math"],
+    "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
+}
 
 
 def _cache_dir() -> Path:
@@ -45,28 +51,30 @@ def _cpu_signature() -> str:
     return platform.processor() + platform.machine()
 
 
-def _build(source: str) -> Path | None:
+def _build(name: str) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.info("no C compiler found; using the PyTorch attention path")
+        log.info("no C compiler found; using the PyTorch path")
         return None
-    key = hashlib.sha256((source + " ".join(_FLAGS) + _cpu_signature()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    source = resources.files("kvgate.model").joinpath("csrc", name).read_text()
+    flags = _FLAGS[name]
+    key = hashlib.sha256((source + " ".join(flags) + _cpu_signature()).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name.removesuffix('.c')}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / _SOURCE
+        src = Path(tmp) / name
         src.write_text(source)
         out = Path(tmp) / target.name
         proc = subprocess.run(
-            [cc, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            [cc, *flags, str(src), "-o", str(out), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
         )
         if proc.returncode != 0:
-            log.warning("building the paged decode kernel failed:\n%s", proc.stderr[-2000:])
+            log.warning("building %s failed:\n%s", name, proc.stderr[-2000:])
             return None
         os.replace(out, target)  # atomic: concurrent builders never see half a file
     return target
@@ -114,15 +122,25 @@ class PagedDecodeKernel:
         return out
 
 
-@functools.cache
-def load_paged_decode() -> PagedDecodeKernel | None:
-    """The compiled kernel, or None where it cannot be built (then PyTorch is used)."""
+def _load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("KVGATE_DISABLE_KERNELS"):
         return None
     try:
-        source = resources.files("kvgate.model").joinpath("csrc", _SOURCE).read_text()
-        path = _build(source)
-        return PagedDecodeKernel(ctypes.CDLL(str(path))) if path else None
+        path = _build(name)
+        return ctypes.CDLL(str(path)) if path else None
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("paged decode kernel unavailable (%s); using PyTorch", exc)
+        log.warning("%s unavailable (%s); using PyTorch", name, exc)
         return None
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecodeKernel | None:
+    """The compiled attention kernel, or None where it cannot be built (then PyTorch is used)."""
+    lib = _load("paged_decode.c")
+    return PagedDecodeKernel(lib) if lib else None
+
+
+@functools.cache
+def load_fused_ops_lib() -> ctypes.CDLL | None:
+    """The compiled bf16 element-wise kernels (see ``model/ops.py``), or None."""
+    return _load("fused_ops.c")

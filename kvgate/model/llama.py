@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from kvgate.errors import CorruptWeights
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
+from kvgate.model.cpu_kernels import load_fused_ops_lib
 from kvgate.model.linear import Linear, make_linear, should_pack
-from kvgate.model.rope import RotaryEmbedding, apply_rotary
+from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
+from kvgate.model.rope import RotaryEmbedding
 
 
 @dataclass
@@ -30,14 +32,6 @@ class LayerWeights:
     down: Linear  # I -> H
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm exactly: normalise in float32, cast back, then scale.
-
-    ``F.rms_norm`` is one fused kernel and gives bit-identical results to HF's four ops.
-    """
-    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
-
-
 class LlamaModel:
     def __init__(
         self,
@@ -48,6 +42,7 @@ class LlamaModel:
         device: torch.device,
         attention: AttentionBackend,
         source: str = "<weights>",
+        fused_ops: bool = True,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -71,6 +66,14 @@ class LlamaModel:
         self.rope = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
         )
+        self.ops = self._layer_ops(fused_ops)
+
+    def _layer_ops(self, fused: bool) -> LayerOps:
+        heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
+        # The fused kernels are bf16-only and write the CPU backend's head-major cache.
+        lib = load_fused_ops_lib() if fused and self._pack else None
+        torch_ops = TorchLayerOps(self.rope, self.attention, heads)
+        return FusedCpuLayerOps(lib, self.rope, heads, torch_ops) if lib else torch_ops
 
     def _take(
         self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
@@ -131,26 +134,22 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        c = self.config
-        t = input_ids.shape[0]
-        cos, sin = self.rope.tables(positions)
-        x = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = x
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h)
-            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x = residual + layer.o(attn.reshape(t, self.q_size))
-
-            residual = x
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = residual + layer.down(F.silu(gate) * up)
-        return rms_norm(x, self.final_norm, c.rms_norm_eps)
+        """One step over the flat batch; returns final-normed hidden states."""
+        eps = self.config.rms_norm_eps
+        ops = self.ops
+        residual = F.embedding(input_ids, self.embed)  # [T, H]; updated in place below
+        h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            q, k, v = ops.rope_write_kv(layer.qkv(h), positions, k_cache, v_cache, meta)
+            attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
+            h = ops.add_norm(layer.o(attn.reshape(-1, self.q_size)), residual, layer.post_norm, eps)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            # The next layer's input norm (or the final norm) shares this residual add.
+            next_norm = (
+                self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            )
+            h = ops.add_norm(mlp, residual, next_norm, eps)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

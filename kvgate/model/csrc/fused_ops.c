@@ -1,0 +1,81 @@
+/* Fused element-wise ops of a bf16 Llama layer, each replacing several small PyTorch ops.
+ * Scalar code: it wins where PyTorch's per-op dispatch dominates (decode, few rows), which
+ * is where model/ops.py uses it.
+ *
+ * Built WITHOUT fast-math and with FMA contraction off: every operation rounds to bf16
+ * exactly where PyTorch's separate bf16 ops would (torch computes a bf16 op in float32 and
+ * rounds the result), so results match the unfused path op for op.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float ld(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t st(float f) {  /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)((u >> 16) | ((u & 0xffff) ? 0x40 : 0));
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float r(float f) { return ld(st(f)); } /* round a float to bf16 precision */
+
+/* x [D] -> out [D]: out = x * cos + roll(x, D/2) * sin_signed, rounded per op. */
+static inline void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin_signed,
+                          uint16_t* out, int D) {
+    const int half = D / 2;
+    for (int d = 0; d < D; ++d) {
+        const float a = r(ld(x[d]) * ld(cos[d]));
+        const float b = r(ld(x[(d + half) % D]) * ld(sin_signed[d]));
+        out[d] = st(a + b);
+    }
+}
+
+/* qkv [T, (Hq + 2 Hkv) D] -> q_out [T, Hq, D], k_out [T, Hkv, D] rotated; rotated K and V
+ * written to the head-major caches [Hkv, N * BS, D] at slots[t]. cos/sin tables [P, D]. */
+void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
+                        const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
+                        uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int T, int Hq,
+                        int Hkv, int D, int64_t num_slots) {
+    const int64_t row = (int64_t)(Hq + 2 * Hkv) * D;
+    #pragma omp parallel for schedule(static) if (T > 64)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* x = qkv + t * row;
+        const uint16_t* c = cos + positions[t] * D;
+        const uint16_t* s = sin_signed + positions[t] * D;
+        for (int h = 0; h < Hq; ++h) rotate(x + h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, D);
+        for (int h = 0; h < Hkv; ++h) {
+            uint16_t* k = k_out + ((int64_t)t * Hkv + h) * D;
+            rotate(x + (Hq + h) * D, c, s, k, D);
+            const int64_t at = ((int64_t)h * num_slots + slots[t]) * D;
+            memcpy(k_cache + at, k, (size_t)D * 2);
+            memcpy(v_cache + at, x + (Hq + Hkv + h) * D, (size_t)D * 2);
+        }
+    }
+}
+
+/* residual += x (bf16 add), then normed = weight * bf16(rms_norm_f32(residual)).
+ * x may be NULL (first layer: residual is the embedding, nothing to add). */
+void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight,
+                       uint16_t* normed, int T, int H, float eps) {
+    #pragma omp parallel for schedule(static) if (T > 64)
+    for (int t = 0; t < T; ++t) {
+        uint16_t* res = residual + (int64_t)t * H;
+        if (x) {
+            const uint16_t* xt = x + (int64_t)t * H;
+            for (int i = 0; i < H; ++i) res[i] = st(ld(res[i]) + ld(xt[i]));
+        }
+        double ss = 0.0;  /* summed in another order than torch's float32 sum: see tests */
+        for (int i = 0; i < H; ++i) { const float v = ld(res[i]); ss += (double)(v * v); }
+        const float inv = 1.0f / sqrtf((float)(ss / H) + eps);
+        uint16_t* out = normed + (int64_t)t * H;
+        for (int i = 0; i < H; ++i) out[i] = st(ld(weight[i]) * r(ld(res[i]) * inv));
+    }
+}

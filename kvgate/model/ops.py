@@ -1,0 +1,160 @@
+"""The element-wise glue of a decoder layer, behind one interface with two implementations.
+
+``TorchLayerOps`` is plain PyTorch and the reference. ``FusedCpuLayerOps`` replaces two of
+them with native bf16 kernels (``csrc/fused_ops.c``), RoPE + KV-cache write and residual add
++ RMSNorm, for the few-row steps where PyTorch's per-op dispatch costs more than the
+arithmetic; the kernels are scalar, so larger steps stay on PyTorch's vectorised ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm exactly: normalise in float32, cast back, then scale.
+
+    ``F.rms_norm`` is one fused kernel and gives bit-identical results to HF's four ops.
+    """
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+class LayerOps(Protocol):
+    def add_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += x`` in place (x None: nothing to add); return RMSNorm(residual)."""
+        ...
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+        positions: torch.Tensor,  # [T]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate q and k, write k and v to the cache; return q [T,Hq,D], k, v [T,Hkv,D]."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate) * up."""
+        ...
+
+
+class TorchLayerOps:
+    def __init__(
+        self, rope: RotaryEmbedding, attention: AttentionBackend, heads: tuple[int, int, int]
+    ) -> None:
+        self.rope = rope
+        self.attention = attention
+        self.num_heads, self.num_kv_heads, self.head_dim = heads
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def add_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if x is not None:
+            residual.add_(x)
+        return rms_norm(residual, weight, eps)
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # The same positions serve every layer of the step: look the tables up once.
+        if self._tables is None or self._tables[0] is not positions:
+            self._tables = (positions, *self.rope.tables(positions))
+        _, cos, sin = self._tables
+        q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rotary(q.view(t, hq, d), cos, sin)
+        k = apply_rotary(k.view(t, hkv, d), cos, sin)
+        v = v.view(t, hkv, d)
+        self.attention.write_kv(k, v, k_cache, v_cache, meta)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return int(t.data_ptr())
+
+
+class FusedCpuLayerOps:
+    """bf16, CPU backend's head-major cache only. Results equal ``TorchLayerOps`` bit for bit,
+    except RMSNorm, whose differently ordered float32 sum moves a rare value (about 3 in a
+    million) by a bf16 ulp or two.
+
+    Row thresholds below are measured on the CPU (x86, 2 threads): at and under them the
+    kernel beats PyTorch; above them ``fallback`` (PyTorch) is used.
+    """
+
+    MAX_ROWS_NORM = 32
+    MAX_ROWS_ROPE = 4
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        rope: RotaryEmbedding,
+        heads: tuple[int, int, int],
+        fallback: TorchLayerOps,
+    ) -> None:
+        self.rope = rope
+        self.fallback = fallback
+        self.num_heads, self.num_kv_heads, self.head_dim = heads
+        self._rope = lib.rope_write_kv_bf16
+        self._rope.restype = None
+        self._rope.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64]
+        self._norm = lib.add_rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+
+    def add_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        t, h = residual.shape
+        if t > self.MAX_ROWS_NORM:
+            return self.fallback.add_norm(x, residual, weight, eps)
+        out = torch.empty_like(residual)
+        x_ptr = None if x is None else _ptr(x.contiguous())
+        self._norm(x_ptr, _ptr(residual), _ptr(weight), _ptr(out), t, h, eps)
+        return out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if t > self.MAX_ROWS_ROPE:
+            return self.fallback.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
+        q = torch.empty((t, hq, d), dtype=qkv.dtype)
+        k = torch.empty((t, hkv, d), dtype=qkv.dtype)
+        num_slots = k_cache.shape[1] * k_cache.shape[2]  # head-major [Hkv, N, BS, D]
+        self._rope(
+            _ptr(qkv), _ptr(positions), _ptr(self.rope.cos), _ptr(self.rope.sin_signed),
+            _ptr(meta.slot_mapping), _ptr(q), _ptr(k), _ptr(k_cache), _ptr(v_cache),
+            t, hq, hkv, d, num_slots,
+        )  # fmt: skip
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fallback.silu_mul(gate_up)  # torch's vectorised exp wins at every size
