@@ -81,6 +81,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    #: Use the native CPU kernels (built on first use with the system C compiler) where they
+    #: are faster; False, or no compiler, keeps everything on PyTorch ops.
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -78,9 +78,14 @@ class LLMEngine:
                 checkpoint.config.num_heads,
                 checkpoint.config.num_kv_heads,
                 checkpoint.config.head_dim,
-                decode_kernel=load_paged_decode() if self.device.type == "cpu" else None,
+                decode_kernel=(
+                    load_paged_decode()
+                    if config.native_kernels and self.device.type == "cpu"
+                    else None
+                ),
             ),
             source=checkpoint.path,
+            fused_ops=config.native_kernels,
         )
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0

@@ -33,6 +33,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument(
+        "--no-native-kernels",
+        action="store_true",
+        help="stay on PyTorch ops (no C kernels built at first use)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +63,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,
+        native_kernels=not a.no_native_kernels,
     )
 
 

@@ -68,10 +68,17 @@ def test_one_at_a_time(
         assert list(out.token_ids) == ref, f"prompt of {len(p)} tokens"
 
 
+@pytest.mark.parametrize("native_kernels", [True, False])
 def test_all_in_one_batch(
-    tiny_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]]
+    tiny_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]], native_kernels: bool
 ) -> None:
-    llm = _llm(tiny_dir, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm = _llm(
+        tiny_dir,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        native_kernels=native_kernels,
+    )
+    assert (llm.engine.model.attention.decode_kernel is not None) == native_kernels
     outs = llm.generate(prompts, GREEDY)
     assert [list(o.token_ids) for o in outs] == hf_outputs
 

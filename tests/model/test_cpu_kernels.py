@@ -63,7 +63,7 @@ def _ops() -> tuple[FusedCpuLayerOps, TorchLayerOps]:
     plain = TorchLayerOps(rope, TorchAttention(*heads), heads)
     fused = FusedCpuLayerOps(fused_lib, rope, heads, plain)
     # Exercise the kernels at every size, not only where they are dispatched to.
-    fused.MAX_ROWS_NORM = fused.MAX_ROWS_ROPE = 1 << 30
+    fused.MAX_ROWS_ROPE = 1 << 30
     return fused, plain
 
 
@@ -89,23 +89,3 @@ def test_fused_rope_and_kv_write_are_bit_exact() -> None:
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-
-
-@needs_kernels
-def test_fused_add_norm_matches_within_rounding() -> None:
-    """The residual add is exact; the norm's float32 sum is ordered differently from torch's,
-    which may move a rare value by one or two bf16 ulps."""
-    fused, plain = _ops()
-    torch.manual_seed(2)
-    x = (torch.randn(2048, 576) * 2).bfloat16()
-    w = torch.randn(576).bfloat16()
-    r1 = (torch.randn(2048, 576) * 3).bfloat16()
-    r2 = r1.clone()
-    a = fused.add_norm(x, r1, w, 1e-5)
-    b = plain.add_norm(x, r2, w, 1e-5)
-    assert torch.equal(r1, r2)
-    ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
-    assert ulps.max().item() <= 2
-    assert (ulps > 0).float().mean().item() < 1e-4
-    # No residual to add (the first layer's input norm).
-    assert torch.equal(fused.add_norm(None, r1, w, 1e-5), fused.add_norm(None, r1.clone(), w, 1e-5))

@@ -60,22 +60,3 @@ void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uin
         }
     }
 }
-
-/* residual += x (bf16 add), then normed = weight * bf16(rms_norm_f32(residual)).
- * x may be NULL (first layer: residual is the embedding, nothing to add). */
-void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight,
-                       uint16_t* normed, int T, int H, float eps) {
-    #pragma omp parallel for schedule(static) if (T > 64)
-    for (int t = 0; t < T; ++t) {
-        uint16_t* res = residual + (int64_t)t * H;
-        if (x) {
-            const uint16_t* xt = x + (int64_t)t * H;
-            for (int i = 0; i < H; ++i) res[i] = st(ld(res[i]) + ld(xt[i]));
-        }
-        double ss = 0.0;  /* summed in another order than torch's float32 sum: see tests */
-        for (int i = 0; i < H; ++i) { const float v = ld(res[i]); ss += (double)(v * v); }
-        const float inv = 1.0f / sqrtf((float)(ss / H) + eps);
-        uint16_t* out = normed + (int64_t)t * H;
-        for (int i = 0; i < H; ++i) out[i] = st(ld(weight[i]) * r(ld(res[i]) * inv));
-    }
-}
