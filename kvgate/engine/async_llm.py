@@ -9,6 +9,7 @@ generator early (a client disconnect cancels it) aborts the request in the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -36,13 +37,19 @@ class _Abort:
     request_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True)
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    """Where one request's outputs go. An abandoned stream (the caller left early) stays
+    registered until the engine confirms the abort, so its id is not reused too soon."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.abandoned = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        # A closed event loop raises RuntimeError: its caller is gone, nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLM:
@@ -74,12 +81,12 @@ class AsyncLLM:
         cache_salt: bytes | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request. Raises typed errors for invalid input at once."""
-        if self._dead is not None:
-            raise EngineDead(f"engine loop stopped: {self._dead}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:  # the same lock under which a dying loop fails every stream
+            if self._dead is not None:
+                raise EngineDead(f"engine loop stopped: {self._dead}")
             if rid in self._streams:
                 raise DuplicateRequestId(rid)
             self._streams[rid] = stream
@@ -96,7 +103,10 @@ class AsyncLLM:
                     return
         finally:
             with self._lock:
-                self._streams.pop(rid, None)
+                if finished or self._dead is not None:
+                    self._streams.pop(rid, None)
+                else:
+                    stream.abandoned = True  # dropped when the engine confirms the abort
             if not finished:
                 self.abort(rid)
 
@@ -106,6 +116,7 @@ class AsyncLLM:
         self._commands.put(_Abort(ids))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; streams still open end with ``EngineDead``."""
         self._commands.put(None)
         self._thread.join(timeout)
 
@@ -115,6 +126,7 @@ class AsyncLLM:
             while True:
                 idle = not self.engine.has_unfinished()
                 if not self._drain_commands(block=idle):
+                    self._fail_all(RuntimeError("engine shut down"))
                     return
                 if not self.engine.has_unfinished():
                     continue
@@ -122,11 +134,15 @@ class AsyncLLM:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # a bug in the loop itself: fail every stream, loudly
             log.exception("engine loop died")
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
             self._dead = exc
-            with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
 
     def _drain_commands(self, *, block: bool) -> bool:
         """Apply queued adds and aborts; False once shutdown was asked for."""
@@ -145,10 +161,24 @@ class AsyncLLM:
                 except Exception as exc:
                     self._deliver(cmd.request.request_id, exc)
             else:
+                live = self.engine.scheduler.requests
+                ended = [rid for rid in cmd.request_ids if rid not in live]
                 self.engine.abort(cmd.request_ids)
+                # Already over before the abort arrived: no final output will come, so an
+                # abandoned stream for it is dropped now.
+                with self._lock:
+                    for rid in ended:
+                        stream = self._streams.get(rid)
+                        if stream is not None and stream.abandoned:
+                            del self._streams[rid]
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
+            if stream is not None and stream.abandoned:
+                # Nobody listens; once the request has ended its id may be used again.
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]
+                return
         if stream is not None:
             stream.put(item)

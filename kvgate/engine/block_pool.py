@@ -30,8 +30,11 @@ def hash_block_tokens(
     SHA-256 rather than Python's ``hash``: a crafted prompt must not collide on purpose.
     """
     h = hashlib.sha256()
-    h.update(parent or b"")
-    h.update(salt or b"")
+    # Length-prefixed parts, so no (parent, salt) pair can pose as another: a root block
+    # salted with S must never equal an unsalted block whose parent hash is S.
+    for part in (parent or b"", salt or b""):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     return h.digest()
 

@@ -228,6 +228,10 @@ class LLMEngine:
         for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
             request.error = f"engine step failed: {type(exc).__name__}: {exc}"
             outputs.append(self._final_output(request))
+        # Blocks are registered in the prefix cache when scheduled, before their KV is written.
+        # The failed step's blocks are all free now: drop every free cached prefix so no later
+        # request can hit KV that was never (or half) written.
+        self.kv_cache.pool.reset_prefix_cache()
         return outputs
 
     def _collect(self, touched: list[Request], runner_out: RunnerOutput) -> list[RequestOutput]:

@@ -152,10 +152,11 @@ class TorchAttention:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.decode_kernel is not None and self.decode_kernel.supports(q.dtype):
-            return self.decode_kernel(
-                q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale
-            )
+        kernel = self.decode_kernel
+        if kernel is not None and kernel.supports(
+            q.dtype, self.group, self.head_dim, k_cache.shape[2]
+        ):
+            return kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale)
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
         values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, d)

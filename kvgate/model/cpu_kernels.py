@@ -29,7 +29,8 @@ _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 #: Attention may reassociate sums (vectorised dot products); the fused element-wise ops must
 #: round exactly where PyTorch does, so no fast-math and no FMA contraction there.
 _FLAGS = {
-    "paged_decode.c": [*_COMMON, "-ffast-math"],
+    # fast-math for vectorised sums, but keep infinities: the online softmax starts at -inf.
+    "paged_decode.c": [*_COMMON, "-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 
@@ -96,8 +97,17 @@ class PagedDecodeKernel:
                 ctypes.c_float,
             ]
 
-    def supports(self, dtype: torch.dtype) -> bool:
-        return dtype in self._fns
+    #: Scratch limits compiled into the kernel (MAX_G, MAX_D, MAX_BS in paged_decode.c).
+    MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
+
+    def supports(self, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
+        """Whether the kernel handles this case; callers use PyTorch otherwise."""
+        return (
+            dtype in self._fns
+            and group <= self.MAX_GROUP
+            and head_dim <= self.MAX_HEAD_DIM
+            and block_size <= self.MAX_BLOCK_SIZE
+        )
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ import pytest
 from kvgate.config import EngineConfig
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.outputs import RequestOutput
-from kvgate.errors import DuplicateRequestId, EmptyPrompt
+from kvgate.errors import DuplicateRequestId, EmptyPrompt, EngineDead
 from kvgate.sampling_params import SamplingParams
 
 
@@ -117,3 +117,44 @@ def test_bad_request_raises_and_others_still_run(async_llm: AsyncLLM) -> None:
     outs = asyncio.run(scenario())
     assert outs[-1].finish_reason == "length"
     _wait_until_idle(async_llm)
+
+
+def test_an_abandoned_id_is_reusable_once_its_abort_is_done(async_llm: AsyncLLM) -> None:
+    async def scenario() -> list[RequestOutput]:
+        gen = async_llm.generate([3] * 20, SamplingParams(max_tokens=300, ignore_eos=True), "same")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(200):  # the id frees as soon as the engine has processed the abort
+            try:
+                return await _collect(
+                    async_llm, [4] * 5, SamplingParams(max_tokens=3, ignore_eos=True), "same"
+                )
+            except DuplicateRequestId:
+                await asyncio.sleep(0.01)
+        raise AssertionError("id never freed")
+
+    outs = asyncio.run(scenario())
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+    _wait_until_idle(async_llm)
+
+
+def test_shutdown_ends_open_streams_and_refuses_new_ones(tiny_llama_dir: Path) -> None:
+    llm = AsyncLLM.from_config(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=512
+        )
+    )
+
+    async def scenario() -> None:
+        gen = llm.generate([5] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await gen.__anext__()
+        assert not first.finished
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineDead):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDead):
+            await _collect(llm, [1, 2], SamplingParams())
+
+    asyncio.run(scenario())

@@ -53,6 +53,8 @@ def test_hash_chain_depends_on_parent_and_salt() -> None:
     assert hash_block_tokens(h1, [4]) != hash_block_tokens(None, [4])
     assert hash_block_tokens(None, [1, 2, 3], b"tenant-a") != h1
     assert hash_block_tokens(None, [1, 2, 3]) == h1
+    # A salted root block can never pose as an unsalted block whose parent hash is the salt.
+    assert hash_block_tokens(None, [4, 5], salt=h1) != hash_block_tokens(h1, [4, 5])
 
 
 ops = st.lists(

@@ -198,14 +198,32 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir:
         )
     )
     eng.runner = _PoisonRunner(eng.runner, "poison")  # type: ignore[assignment]
-    eng.add_request("poison", [9, 9, 9], SamplingParams(max_tokens=4))
+    prompt = list(range(1000, 1040))  # two full blocks: cacheable, had the step succeeded
+    eng.add_request("poison", prompt, SamplingParams(max_tokens=4))
     outs = _drain(eng)
     assert outs["poison"][-1].finish_reason == "error"
     assert "simulated kernel failure" in (outs["poison"][-1].error or "")
-    eng.add_request("healthy", [9, 9, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    # The failed step's blocks never received KV: none may be served from the prefix cache.
+    assert eng.kv_cache.pool.num_cached_blocks == 0
+    eng.add_request("healthy", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     outs = _drain(eng)
     assert outs["healthy"][-1].finish_reason == "length"
+    assert outs["healthy"][-1].num_cached_tokens == 0
     assert eng.kv_cache.pool.num_used_blocks == 0
+
+
+def test_block_size_beyond_the_native_kernel_falls_back_to_torch(tiny_llama_dir: Path) -> None:
+    def run(block_size: int) -> list[int]:
+        eng = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                     kv_cache_memory="32MiB", max_model_len=512,
+                                     block_size=block_size))  # fmt: skip
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+        eng.add_request("r", list(range(200, 330)), greedy)
+        outs = _drain(eng)["r"]
+        assert outs[-1].finish_reason == "length"
+        return [t for o in outs for t in o.new_token_ids]
+
+    assert run(128) == run(16)
 
 
 def test_deltas_and_final_output(engine: LLMEngine) -> None:
