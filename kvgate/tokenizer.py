@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvgate.errors import CorruptWeights, InvalidRequest, ModelNotFound
+from kvgate.hf_files import int_list, read_json_object
 
 __all__ = ["GGUF_PRE_TOKENIZERS", "Tokenizer"]
 
@@ -306,13 +307,13 @@ class Tokenizer:
         # would silently cut prompts; lengths are the engine's business.
         backend.no_truncation()
         backend.no_padding()
-        config = _read_json(root / "tokenizer_config.json")
-        gen = _read_json(root / "generation_config.json")
+        config = read_json_object(root / "tokenizer_config.json", missing_ok=True)
+        gen = read_json_object(root / "generation_config.json", missing_ok=True)
 
         bos_id = _special_id(backend, config.get("bos_token"))
         eos_id = _special_id(backend, config.get("eos_token"))
-        gen_bos = _int_list(gen.get("bos_token_id"))
-        gen_eos = _int_list(gen.get("eos_token_id"))
+        gen_bos = int_list(gen.get("bos_token_id"))
+        gen_eos = int_list(gen.get("eos_token_id"))
         if bos_id is None and gen_bos:
             bos_id = gen_bos[0]
         if eos_id is None and gen_eos:
@@ -441,19 +442,6 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file's contents; ``{}`` when absent. Malformed -> CorruptWeights naming it."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptWeights(f"cannot parse {path}: {exc}", path=str(path)) from exc
-    if not isinstance(data, dict):
-        raise CorruptWeights(f"{path} must hold a JSON object", path=str(path))
-    return data
-
-
 def _special_id(backend: BackendTokenizer, token: object) -> int | None:
     """Id of a tokenizer_config special token given as a string or an AddedToken dict."""
     if isinstance(token, Mapping):
@@ -462,17 +450,6 @@ def _special_id(backend: BackendTokenizer, token: object) -> int | None:
         return None
     token_id: int | None = backend.token_to_id(token)
     return token_id
-
-
-def _int_list(value: object) -> list[int]:
-    """generation_config ids: an int, a list of ints, or absent."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 def _post_processor_adds_bos(backend: BackendTokenizer, bos_id: int | None) -> bool:

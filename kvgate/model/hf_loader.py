@@ -6,7 +6,6 @@ Supports ``model_type`` llama, qwen2 and mistral, single-file or sharded safeten
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ from typing import Any, TypeGuard
 import torch
 
 from kvgate.errors import CorruptWeights, ModelNotFound, UnsupportedModel
+from kvgate.hf_files import int_list, read_json_object
 from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
 from kvgate.model.config import ModelConfig, RopeScaling
 from kvgate.tokenizer import Tokenizer
@@ -42,9 +42,9 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
         raise ModelNotFound(
             f"{root}: no config.json (not a Hugging Face model directory)", path=str(config_file)
         )
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file)
     generation_file = root / "generation_config.json"
-    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    generation = read_json_object(generation_file, missing_ok=True)
     tokenizer = Tokenizer.from_hf_dir(root)
     config = config_from_hf(raw, str(config_file), generation=generation, tokenizer=tokenizer)
 
@@ -113,7 +113,7 @@ def config_from_hf(
 
     rope_theta, rope_scaling = _rope(raw, file)
     gen = generation or {}
-    eos = _int_list(raw.get("eos_token_id")) + _int_list(gen.get("eos_token_id"))
+    eos = int_list(raw.get("eos_token_id")) + int_list(gen.get("eos_token_id"))
     if not eos and tokenizer is not None:
         eos = list(tokenizer.eos_token_ids)
     bos = raw.get("bos_token_id")
@@ -207,7 +207,7 @@ def _load_safetensors(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
 
     index_file = root / _INDEX
     if index_file.is_file():
-        weight_map = _read_json(index_file).get("weight_map")
+        weight_map = read_json_object(index_file).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CorruptWeights(f"{index_file}: no weight_map", path=str(index_file))
         files = sorted({str(f) for f in weight_map.values()})
@@ -236,23 +236,3 @@ def _load_safetensors(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
                 f"{file}: cannot read safetensors ({exc})", path=str(file)
             ) from exc
     return weights, sources
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptWeights(f"cannot parse {path}: {exc}", path=str(path)) from exc
-    if not isinstance(data, dict):
-        raise CorruptWeights(f"{path} must hold a JSON object", path=str(path))
-    return data
-
-
-def _int_list(value: object) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []

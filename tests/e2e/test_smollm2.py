@@ -20,6 +20,7 @@ from kvgate.engine.async_llm import AsyncLLM
 from kvgate.entrypoints.llm import LLM
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.hf_export import save_hf_checkpoint
+from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -70,21 +71,7 @@ def _hf_greedy(dtype: torch.dtype, gguf: Path, prompts: list[list[int]]) -> list
 
 
 def _hf_greedy_model(model: Any, prompts: list[list[int]]) -> list[list[int]]:
-    model.eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=2,
-                eos_token_id=2,
-            )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return hf_greedy(model, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

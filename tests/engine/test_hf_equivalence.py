@@ -14,6 +14,7 @@ import torch
 
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
+from tests.hf_reference import hf_greedy
 
 PROMPT_LENGTHS = [1, 2, 15, 16, 17, 100, 333, 1100]
 MAX_NEW = 12
@@ -35,21 +36,8 @@ def prompts() -> list[list[int]]:
 def hf_outputs(tiny_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=2,
-                eos_token_id=2,
-            )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    return hf_greedy(model, prompts, MAX_NEW)
 
 
 def _llm(tiny_dir: Path, **kw: object) -> LLM:

@@ -13,6 +13,7 @@ import torch
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.tokenizer import Tokenizer
+from tests.hf_reference import hf_greedy
 from tests.tiny_model import TINY_LLAMA
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -65,15 +66,7 @@ def test_greedy_matches_transformers(
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (1, 40, 300, 900)]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                pad_token_id=2, eos_token_id=2,
-            )  # fmt: skip
-        expected.append(gen[0, len(p) :].tolist())
+    expected = hf_greedy(hf, prompts, max_new_tokens=8)
     llm = LLM(str(directory), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=128)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [list(o.token_ids) for o in outs] == expected
