@@ -12,6 +12,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import CompletionOutput
 from kvgate.sampling_params import SamplingParams
+from kvgate.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -33,7 +34,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
