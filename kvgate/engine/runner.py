@@ -136,18 +136,14 @@ class ModelRunner:
             for s in decodes:
                 table = s.block_ids[:max_blocks]
                 flat_tables += table
-                flat_tables += [0] * (max_blocks - len(table))  # padding, hidden by the bias
+                flat_tables += [0] * (
+                    max_blocks - len(table)
+                )  # padding, past decode_lens: never read
             decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
             lens = torch.tensor([s.context_len for s in decodes], dtype=torch.int64, device=dev)
-            span = torch.arange(max_blocks * bs, device=dev)
-            hidden = span[None, :] >= lens[:, None]
-            decode_bias = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
-            decode_bias.masked_fill_(hidden, float("-inf"))
-            decode_bias = decode_bias.view(1, num_dec, 1, -1)
         else:
             decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
             lens = torch.empty((0,), dtype=torch.int64, device=dev)
-            decode_bias = torch.empty((1, 0, 1, 0), dtype=torch.float32, device=dev)
 
         slices: list[PrefillSlice] = []
         row = num_dec
@@ -162,7 +158,6 @@ class ModelRunner:
             num_decodes=num_dec,
             decode_blocks=decode_blocks,
             decode_lens=lens,
-            decode_bias=decode_bias,
             prefills=tuple(slices),
         )
         return FlatBatch(

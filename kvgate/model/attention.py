@@ -51,7 +51,6 @@ class AttentionMetadata:
     num_decodes: int
     decode_blocks: torch.Tensor  # [num_decodes * max_blocks] int64, block tables, 0-padded
     decode_lens: torch.Tensor  # [num_decodes] int64, context length of each decode
-    decode_bias: torch.Tensor  # [1, num_decodes, 1, max_blocks * block_size] f32, 0 or -inf
     prefills: tuple[PrefillSlice, ...]
 
 
@@ -160,12 +159,17 @@ class TorchAttention:
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
         values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, d)
+        # Padding past each sequence's length: bias [1, B, 1, L], 0 to attend, -inf to hide.
+        span = torch.arange(keys.shape[2], device=q.device)
+        hidden = span[None, :] >= meta.decode_lens[:, None]
+        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device)
+        bias = bias.masked_fill_(hidden, float("-inf")).view(1, b, 1, -1)
         # GQA without repeating K/V: the query heads sharing a KV head are that head's
         # "query rows", q [B, Hq, D] -> [Hkv, B, group, D]. One query token per sequence
         # needs no causal mask, only the bias that hides padding past each length.
         qh = q.view(b, hkv, self.group, d).transpose(0, 1)
         scores = torch.matmul(qh, keys.transpose(-1, -2)).float()  # [Hkv, B, group, L]
-        scores.mul_(self.scale).add_(meta.decode_bias)
+        scores.mul_(self.scale).add_(bias)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, group, D]
         return out.transpose(0, 1).reshape(b, self.num_heads, d)

@@ -21,16 +21,12 @@ def _decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -
     g = torch.Generator().manual_seed(seed)
     max_blocks = -(-max(lens) // block_size)
     tables = torch.randint(0, num_blocks, (len(lens) * max_blocks,), generator=g)
-    span = torch.arange(max_blocks * block_size)
     lens_t = torch.tensor(lens)
-    bias = torch.zeros(len(lens), max_blocks * block_size)
-    bias.masked_fill_(span[None, :] >= lens_t[:, None], float("-inf"))
     return AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long),
         num_decodes=len(lens),
         decode_blocks=tables,
         decode_lens=lens_t,
-        decode_bias=bias.view(1, len(lens), 1, -1),
         prefills=(),
     )
 
@@ -80,7 +76,6 @@ def test_fused_rope_and_kv_write_are_bit_exact() -> None:
         num_decodes=0,
         decode_blocks=torch.empty(0, dtype=torch.long),
         decode_lens=torch.empty(0, dtype=torch.long),
-        decode_bias=torch.empty(1, 0, 1, 0),
         prefills=(),
     )
     caches = [torch.zeros(3, n, bs, 64, dtype=torch.bfloat16) for _ in range(4)]
