@@ -98,6 +98,16 @@ class EngineDead(KVGateError):
     code = "engine_dead"
 
 
+class Overloaded(KVGateError):
+    """The request queue is full; the client should retry after ``retry_after`` seconds."""
+
+    code = "server_is_overloaded"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class RequestFailed(KVGateError):
     """One request failed inside the engine; the engine goes on serving the others."""
 

@@ -9,8 +9,10 @@ latter (:meth:`Tokenizer.save_hf`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -131,7 +133,7 @@ class Tokenizer:
         """The (primary) EOS token's text, or None."""
         return None if self.eos_token_id is None else self.id_to_token(self.eos_token_id)
 
-    @property
+    @functools.cached_property
     def all_special_ids(self) -> frozenset[int]:
         """Ids of every special token (control tokens, BOS, EOS); ``decode`` may skip these."""
         ids = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
@@ -156,6 +158,24 @@ class Tokenizer:
         """The vocabulary string of ``id`` (byte-level spelling, e.g. ``"Ġthe"``), or None."""
         token: str | None = self._backend.id_to_token(id)
         return token
+
+    def token_bytes(self, id: int) -> bytes:
+        """The raw bytes token ``id`` stands for (logprobs report them: one token may be only
+        part of a UTF-8 character). Byte-level BPE spells bytes as printable characters;
+        SentencePiece uses ``<0xNN>`` byte tokens and "▁" for a space."""
+        token = self.id_to_token(id)
+        if token is None:
+            return b""
+        if id in self.all_special_ids:
+            return token.encode()
+        byte = _BYTE_TOKEN.fullmatch(token)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        if isinstance(self._backend.decoder, decoders.ByteLevel):
+            table = _byte_level_decoder()
+            if all(c in table for c in token):
+                return bytes(table[c] for c in token)
+        return token.replace("\u2581", " ").encode()
 
     # ----------------------------------------------------------------------------- chat template
 
@@ -383,6 +403,25 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable character -> the byte it spells.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are
+    mapped in order onto code points 256 and up.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _normalize_messages(messages: object) -> list[dict[str, Any]]:

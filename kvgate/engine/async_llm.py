@@ -21,7 +21,8 @@ from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
-from kvgate.errors import DuplicateRequestId, EngineDead
+from kvgate.engine.stats import StatsListener
+from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded
 from kvgate.sampling_params import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
@@ -53,8 +54,12 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    """``max_queue_len``: requests that may wait beyond the ``max_num_seqs`` running ones;
+    past that ``generate`` raises ``Overloaded`` at once instead of queueing without bound."""
+
+    def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
         self.engine = engine
+        self.max_queue_len = max_queue_len
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -64,12 +69,38 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(LLMEngine(config))
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        max_queue_len: int | None = None,
+        listeners: Sequence[StatsListener] = (),
+    ) -> AsyncLLM:
+        return cls(LLMEngine(config, listeners=listeners), max_queue_len=max_queue_len)
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose caller is still listening (queued or running)."""
+        with self._lock:
+            return sum(1 for s in self._streams.values() if not s.abandoned)
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue."""
+        if self.max_queue_len is None:
+            return
+        limit = self.engine.config.max_num_seqs + self.max_queue_len
+        in_flight = self.num_in_flight
+        if in_flight + num_new > limit:
+            raise Overloaded(
+                f"server is at capacity: {in_flight} requests in flight, limit {limit} "
+                f"({self.engine.config.max_num_seqs} running + {self.max_queue_len} queued); "
+                "retry later",
+                retry_after=1,
+            )
 
     # ------------------------------------------------------------------ caller side
     async def generate(
@@ -83,6 +114,16 @@ class AsyncLLM:
         """Stream the deltas of one request. Raises typed errors for invalid input at once."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a request built (and so validated) by ``engine.make_request``.
+
+        Callers that must refuse bad input before they commit to a response (an HTTP stream
+        whose headers are not sent yet) build the request first, then stream it.
+        """
+        rid = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:  # the same lock under which a dying loop fails every stream
             if self._dead is not None:

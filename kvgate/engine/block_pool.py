@@ -79,7 +79,12 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks holding a cached prefix, whether or not a request references them."""
         return len(self.cached)
+
+    def num_free_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (O(free blocks): for metrics only)."""
+        return sum(1 for b in list(self._free.values()) if b.block_hash is not None)
 
     def usage(self) -> float:
         """Fraction of blocks referenced by a request (cached-but-free blocks count as free)."""

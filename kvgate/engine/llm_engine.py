@@ -17,6 +17,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.stats import FinishedRequestStats, IterationStats, RequestMetrics, StatsListener
 from kvgate.errors import (
     DuplicateRequestId,
     EmptyPrompt,
@@ -58,8 +59,11 @@ class _OutputState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """``listeners`` receive an ``IterationStats`` after every step (metrics exporters)."""
+
+    def __init__(self, config: EngineConfig, *, listeners: Sequence[StatsListener] = ()) -> None:
         self.config = config
+        self.listeners: list[StatsListener] = list(listeners)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
@@ -212,31 +216,47 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        stats = IterationStats()
         sched = self.scheduler.schedule()
+        stats.batch_size = len(sched.sequences)
+        stats.num_batched_tokens = sched.num_batched_tokens
         try:
             runner_out = self.runner.execute(sched)
         except Exception as exc:  # a failed step fails its requests, never the engine loop
             log.exception("model step failed; failing its %d requests", len(sched.sequences))
-            return self._fail_step(sched, exc)
-        touched = self.scheduler.update(sched, runner_out)
-        self.num_steps += 1
-        return self._collect(touched, runner_out)
+            outputs = self._fail_step(sched, exc, stats)
+        else:
+            touched = self.scheduler.update(sched, runner_out)
+            self.num_steps += 1
+            outputs = self._collect(touched, runner_out, stats)
+        stats.step_seconds = time.monotonic() - t0
+        for listener in self.listeners:
+            listener.on_step(stats)
+        return outputs
 
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(
+        self, sched: SchedulerOutput, exc: Exception, stats: IterationStats
+    ) -> list[RequestOutput]:
         ids = [s.request_id for s in sched.sequences]
-        outputs = []
+        outputs, self._aborted = self._aborted, []
         for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
             request.error = f"engine step failed: {type(exc).__name__}: {exc}"
             outputs.append(self._final_output(request))
+        self._record_finished(outputs, stats)
         # Blocks are registered in the prefix cache when scheduled, before their KV is written.
         # The failed step's blocks are all free now: drop every free cached prefix so no later
         # request can hit KV that was never (or half) written.
         self.kv_cache.pool.reset_prefix_cache()
         return outputs
 
-    def _collect(self, touched: list[Request], runner_out: RunnerOutput) -> list[RequestOutput]:
+    def _collect(
+        self, touched: list[Request], runner_out: RunnerOutput, stats: IterationStats
+    ) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        now = time.monotonic()
         for request in touched:
+            self._record_token(request, now, stats)
             state = self._outputs[request.request_id]
             lp = runner_out.logprobs.get(request.request_id)
             if lp is not None:
@@ -258,7 +278,35 @@ class LLMEngine:
                 outputs.append(self._final_output(request))
             else:
                 outputs.append(self._delta(request, state, finished=False))
+        self._record_finished(outputs, stats)
         return outputs
+
+    @staticmethod
+    def _record_token(request: Request, now: float, stats: IterationStats) -> None:
+        """A new token for ``request`` arrived at ``now``: TTFT or an inter-token gap."""
+        stats.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats.time_to_first_tokens.append(now - request.arrival_time)
+            stats.num_prompt_tokens += request.num_prompt_tokens
+        elif request.last_token_time is not None:
+            stats.inter_token_latencies.append(now - request.last_token_time)
+        request.last_token_time = now
+
+    @staticmethod
+    def _record_finished(outputs: list[RequestOutput], stats: IterationStats) -> None:
+        for out in outputs:
+            if out.finished and out.metrics is not None:
+                stats.finished.append(
+                    FinishedRequestStats(
+                        request_id=out.request_id,
+                        finish_reason=out.finish_reason or "abort",
+                        num_prompt_tokens=out.num_prompt_tokens,
+                        num_output_tokens=out.num_output_tokens,
+                        num_cached_tokens=out.num_cached_tokens,
+                        metrics=out.metrics,
+                    )
+                )
 
     def _delta(self, request: Request, state: _OutputState, *, finished: bool) -> RequestOutput:
         new_ids = tuple(request.output_token_ids[state.num_reported_tokens :])
@@ -276,6 +324,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
+            metrics=RequestMetrics.of(request, time.monotonic()) if finished else None,
         )
 
     def _final_output(self, request: Request) -> RequestOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.engine.messages import TokenLogprobs
+from kvgate.engine.stats import RequestMetrics
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    #: The request's timeline; on the final output only.
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,11 @@ class Request:
         #: The stop string or stop token id that ended the request, if any.
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        # Timeline (time.monotonic seconds) for latency metrics and the per-request profile.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ freed and it is recomputed later (mostly from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.finished_time = time.monotonic()
         self.kv_cache.free(request)
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
@@ -122,6 +124,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.request_id not in self._sent_to_runner:

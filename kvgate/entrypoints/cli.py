@@ -1,4 +1,5 @@
-"""The ``kvgate`` command: ``kvgate generate`` and an interactive ``kvgate chat``."""
+"""The ``kvgate`` command: ``kvgate serve`` (the OpenAI-compatible server), ``kvgate generate``
+and an interactive ``kvgate chat``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig
+from kvgate.entrypoints.serve import add_server_args
 from kvgate.errors import KVGateError
 from kvgate.sampling_params import SamplingParams
+from kvgate.server.config import config_file_argv
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -157,9 +160,24 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kvgate.entrypoints.serve import run_server, server_config
+
+    return run_server(_config(a), server_config(a))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``kvgate`` parser and its ``serve`` subparser (which reads config files)."""
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_server_args(serve)
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate a reply to one prompt")
     gen.add_argument("prompt", nargs="?", default="Write a haiku about a cache.")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
@@ -171,12 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
-    return parser
+    return parser, serve
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse; for ``serve --config FILE`` the file's settings come first so flags win."""
+    parser, serve_parser = _build_parsers()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        given = list(sys.argv[1:] if argv is None else argv)
+        file_argv = config_file_argv(args.config, serve_parser)
+        args = parser.parse_args(["serve", *file_argv, *given[1:]])
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = _parse(argv)
         return int(args.func(args))
     except KVGateError as exc:
         print(f"kvgate: error: {exc.message}", file=sys.stderr)

@@ -29,8 +29,18 @@ _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 #: Attention may reassociate sums (vectorised dot products); the fused element-wise ops must
 #: round exactly where PyTorch does, so no fast-math and no FMA contraction there.
 _FLAGS = {
-    # fast-math for vectorised sums, but keep infinities: the online softmax starts at -inf.
-    "paged_decode.c": [*_COMMON, "-ffast-math", "-fno-finite-math-only"],
+    # Reassociation for vectorised sums, but keep infinities (the online softmax starts at
+    # -inf). Not -ffast-math itself: with it gcc links crtfastmath.o into the library, whose
+    # constructor turns on flush-to-zero for the whole thread that loads it, changing every
+    # other float computation in the process (subnormals become 0).
+    "paged_decode.c": [
+        *_COMMON,
+        "-fno-math-errno",
+        "-fassociative-math",
+        "-fno-signed-zeros",
+        "-fno-trapping-math",
+        "-freciprocal-math",
+    ],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 

@@ -84,3 +84,14 @@ def test_fused_rope_and_kv_write_are_bit_exact() -> None:
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@needs_kernels
+def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+    """A library linked with -ffast-math turns on flush-to-zero for the thread that loads it;
+    ours must leave the process's floating-point state alone."""
+    import numpy as np
+
+    tiny = np.array([1e-40], dtype=np.float32)  # subnormal in float32
+    assert (tiny * np.float32(1.0))[0] != 0.0
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own `llama-server` (the serving peer) and convert SmolLM2 to GGUF bf16.
+#
+# Sources come from the llama-cpp-python sdist on PyPI (its vendor/llama.cpp), the only way to
+# get llama.cpp here without network beyond the package registries. Everything goes to a cache
+# outside the repo; unit tests never call this. Takes ~6 minutes on 2 cores the first time.
+#
+#   bash bench/peers/build_llama_cpp.sh [PYTHON]   -> prints the llama-server path and GGUF path
+set -euo pipefail
+
+PY=${1:-python3}
+VERSION=0.3.36
+CACHE=${KVGATE_PEER_CACHE:-$HOME/.cache/kvgate/peers}
+SRC=$CACHE/llama-cpp-python-$VERSION
+BUILD=$CACHE/llama.cpp-build
+SERVER=$BUILD/bin/llama-server
+mkdir -p "$CACHE"
+
+if [ ! -d "$SRC" ]; then
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE"
+  tar -xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+  mv "$CACHE/llama_cpp_python-$VERSION" "$SRC"
+fi
+
+if [ ! -x "$SERVER" ]; then
+  # The native build picks this CPU's AMX path and crashes; pin the portable AVX2 set instead.
+  cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$CACHE/cmake.log" 2>&1
+  cmake --build "$BUILD" --target llama-server -j "$(nproc)" >"$CACHE/build.log" 2>&1
+fi
+echo "$SERVER"

@@ -1,0 +1,77 @@
+"""What the engine reports about itself: per-request timelines and per-step events.
+
+The engine fills these in; listeners (the Prometheus exporter, tests) receive them after each
+step through the ``StatsListener`` protocol, so the engine knows nothing of any metrics library.
+All times are ``time.monotonic()`` seconds; durations are seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.engine.request import Request
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One finished request's timeline: where its wall time went.
+
+    queue: arrival -> first scheduled; prefill: first scheduled -> first token;
+    decode: first token -> finish. A phase that never happened (aborted while queued) is 0.
+    """
+
+    arrival_time: float
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    e2e_seconds: float
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request, now: float) -> RequestMetrics:
+        end = request.finished_time if request.finished_time is not None else now
+        scheduled = request.first_scheduled_time
+        first_token = request.first_token_time
+        queue_end = scheduled if scheduled is not None else end
+        prefill_end = first_token if first_token is not None else end
+        return cls(
+            arrival_time=request.arrival_time,
+            queue_seconds=max(queue_end - request.arrival_time, 0.0),
+            prefill_seconds=max(prefill_end - queue_end, 0.0) if scheduled is not None else 0.0,
+            decode_seconds=max(end - first_token, 0.0) if first_token is not None else 0.0,
+            e2e_seconds=max(end - request.arrival_time, 0.0),
+            num_preemptions=request.num_preemptions,
+        )
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class IterationStats:
+    """What happened in one engine step."""
+
+    step_seconds: float = 0.0
+    #: Prompt tokens of requests that produced their first token in this step.
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    #: Sequences in the step's batch and tokens the model ran over.
+    batch_size: int = 0
+    num_batched_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatsListener(Protocol):
+    def on_step(self, stats: IterationStats) -> None:
+        """Called on the engine thread after each step; must be quick and never raise."""
+        ...

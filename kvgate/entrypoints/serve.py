@@ -1,0 +1,130 @@
+"""``kvgate serve``: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from kvgate.config import DEFAULT_MODEL, EngineConfig
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.stats import StatsListener
+from kvgate.server.config import ServerConfig
+
+log = logging.getLogger("kvgate.server")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--config", default=None, help="TOML or YAML file with any of these settings")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default: --model)"
+    )
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="file of 'KEY [TENANT]' lines; when given, every API call needs a key",
+    )
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=256,
+        help="requests that may wait beyond --max-num-seqs before new ones get 503",
+    )
+    g.add_argument(
+        "--access-log", default="-", help="JSON-lines access log: a file, '-' stderr, '' off"
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    name = a.served_model_name
+    if name is None:
+        name = a.model if a.model == DEFAULT_MODEL else os.path.basename(a.model.rstrip("/"))
+    return ServerConfig(
+        host=a.host,
+        port=a.port,
+        served_model_name=name,
+        api_keys_file=a.api_keys_file,
+        max_queue_len=a.max_queue_len,
+        access_log=a.access_log,
+        log_level=a.log_level,
+    )
+
+
+def setup_logging(config: ServerConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    access = logging.getLogger("kvgate.access")
+    access.propagate = False
+    access.setLevel(logging.INFO)
+    if config.access_log:
+        handler: logging.Handler = (
+            logging.StreamHandler(sys.stderr)
+            if config.access_log == "-"
+            else logging.FileHandler(config.access_log, encoding="utf-8")
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+
+
+def engine_loader(
+    engine_config: EngineConfig, max_queue_len: int
+) -> Callable[[Sequence[StatsListener]], AsyncLLM]:
+    def load(listeners: Sequence[StatsListener]) -> AsyncLLM:
+        return AsyncLLM.from_config(engine_config, max_queue_len=max_queue_len, listeners=listeners)
+
+    return load
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    import uvicorn
+
+    from kvgate.server.app import build_app
+
+    setup_logging(config)
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(
+        config, engine_loader(engine_config, config.max_queue_len), on_load_error=on_load_error
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,  # ours is the JSON-lines log with request ids and tokens
+            timeout_graceful_shutdown=5,
+        )
+    )
+    log.info(
+        "kvgate serving %r (%s, kv_cache_memory=%s) on http://%s:%d/v1 ; /health turns 200 "
+        "once the model is loaded",
+        config.served_model_name,
+        engine_config.dtype,
+        engine_config.kv_cache_memory,
+        config.host,
+        config.port,
+    )
+    # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if failed:
+        print(f"kvgate: error: the model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0

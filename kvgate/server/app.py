@@ -1,0 +1,224 @@
+"""The FastAPI app: routes, auth, model loading in the background, metrics.
+
+The app starts serving at once; the model loads on a thread, and until it is ready /health
+answers 503 and the API answers 503 ``model_loading`` with Retry-After.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.stats import StatsListener
+from kvgate.errors import EngineDead, InvalidRequest
+from kvgate.server.access_log import AccessLogMiddleware, access_record
+from kvgate.server.auth import ApiKeys
+from kvgate.server.chat import create_chat_completion
+from kvgate.server.completions import create_completion
+from kvgate.server.config import ServerConfig
+from kvgate.server.errors import AuthenticationFailed, ModelLoading, install_error_handlers
+from kvgate.server.generation import ServingContext
+from kvgate.server.metrics import EngineCollector, PrometheusStatsListener
+from kvgate.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvgate.server.streaming import ClientDisconnected
+
+log = logging.getLogger("kvgate.server")
+
+#: Builds the engine (on the loading thread), given the listeners it must report to.
+EngineLoader = Callable[[Sequence[StatsListener]], AsyncLLM]
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    api_keys: ApiKeys
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    serving: ServingContext | None = None
+    load_error: BaseException | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        return self.serving.engine.engine if self.serving is not None else None
+
+
+def _load(
+    state: ServerState,
+    loader: EngineLoader,
+    listener: StatsListener,
+    on_load_error: Callable[[BaseException], None] | None,
+) -> None:
+    try:
+        engine = loader([listener])
+    except BaseException as exc:
+        state.load_error = exc
+        log.error("model failed to load: %s", exc)
+        if on_load_error is not None:
+            on_load_error(exc)
+        return
+    state.serving = ServingContext(engine, state.config.served_model_name)
+    state.ready.set()
+    pool = engine.engine.kv_pool
+    log.info(
+        "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
+        state.config.served_model_name,
+        engine.engine.load_seconds,
+        pool.num_blocks,
+        pool.block_size,
+        pool.num_tokens,
+        pool.bytes / 2**30,
+    )
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.kvgate
+    return state
+
+
+def authenticate(request: Request) -> str:
+    """The caller's tenant, from its API key (``default`` when the server is open)."""
+    given = request.headers.get("authorization")
+    tenant = _state(request).api_keys.tenant_of(given)
+    if tenant is None:
+        raise AuthenticationFailed(
+            "Incorrect API key provided"
+            if given
+            else "Missing API key: send 'Authorization: Bearer YOUR_KEY'"
+        )
+    access_record(request).tenant = tenant
+    return tenant
+
+
+def serving(request: Request, _tenant: Annotated[str, Depends(authenticate)]) -> ServingContext:
+    """The engine, once loaded and alive; else 503 with a reason."""
+    state = _state(request)
+    if state.load_error is not None:
+        raise EngineDead(f"the model failed to load: {state.load_error}")
+    if state.serving is None:
+        raise ModelLoading()
+    if not state.serving.engine.is_running:
+        raise EngineDead("the engine loop has stopped; restart the server")
+    return state.serving
+
+
+Serving = Annotated[ServingContext, Depends(serving)]
+
+
+def build_app(
+    config: ServerConfig,
+    loader: EngineLoader,
+    *,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys.open()
+    state = ServerState(config, api_keys)
+    state.registry.register(EngineCollector(lambda: state.engine, config.served_model_name))
+    ProcessCollector(registry=state.registry)
+    listener = PrometheusStatsListener(state.registry, config.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        log.info("loading model %r ...", config.served_model_name)
+        thread = threading.Thread(
+            target=_load, args=(state, loader, listener, on_load_error), name="kvgate-loader"
+        )
+        thread.start()
+        try:
+            yield
+        finally:
+            thread.join()
+            if state.serving is not None:
+                state.serving.engine.shutdown()
+
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvgate = state
+    install_error_handlers(app)
+    app.add_middleware(AccessLogMiddleware)
+
+    @app.get("/health")
+    def health() -> Response:
+        if state.serving is not None and state.serving.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        status = "loading" if state.load_error is None and state.serving is None else "unhealthy"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    def models(ctx: Serving) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvgate",
+                    "max_model_len": ctx.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request, ctx: Serving) -> Any:
+        try:
+            return await create_chat_completion(ctx, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request, ctx: Serving) -> Any:
+        try:
+            return await create_completion(ctx, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/tokenize")
+    def tokenize(body: TokenizeRequest, ctx: Serving) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
+        tok = ctx.tokenizer
+        if body.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            for m in messages:
+                m.setdefault("content", "")
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt is not False
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            assert body.prompt is not None
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    def detokenize(body: DetokenizeRequest, ctx: Serving) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        vocab = ctx.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens"
+            )
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,97 @@
+"""Server settings, and the config file that can hold them (and every engine knob).
+
+The config file (TOML, or YAML by extension) uses the command-line flags' names, with dashes
+or underscores: ``port = 8080``, ``kv-cache-memory = "2GiB"``, ``no-prefix-caching = true``.
+Flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvgate.errors import InvalidConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: The name clients put in ``model``; defaults to the engine's ``model`` argument.
+    served_model_name: str = "smollm2"
+    api_keys_file: str | None = None
+    #: Requests that may wait beyond the running batch before new ones get 503.
+    max_queue_len: int = 256
+    #: Where the JSON-lines access log goes: a file path, "-" for stderr, "" for nowhere.
+    access_log: str = "-"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidConfig(f"port must be in [0, 65535], got {self.port}", param="port")
+        if self.max_queue_len < 0:
+            raise InvalidConfig(
+                f"max_queue_len must be >= 0, got {self.max_queue_len}", param="max_queue_len"
+            )
+        if not self.served_model_name:
+            raise InvalidConfig("served_model_name must not be empty", param="served_model_name")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise InvalidConfig(
+            f"cannot read config file {path!r}: {exc.strerror}", param="config"
+        ) from exc
+    try:
+        if path.endswith((".yaml", ".yml")):
+            data = yaml.safe_load(raw) or {}
+        else:
+            data = tomllib.loads(raw.decode())
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidConfig(f"config file {path!r} is not valid: {exc}", param="config") from exc
+    if not isinstance(data, dict):
+        raise InvalidConfig(f"config file {path!r} must hold a table of settings", param="config")
+    return data
+
+
+def config_file_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The file's settings as command-line arguments, so argparse checks their types and
+    names exactly as it checks flags; put them before the real flags, which then win."""
+    actions = {
+        opt.lstrip("-"): action
+        for action in parser._actions  # argparse has no public listing of its options
+        for opt in action.option_strings
+        if opt.startswith("--")
+    }
+    argv: list[str] = []
+    for key, value in read_config_file(path).items():
+        name = str(key).replace("_", "-")
+        action = actions.get(name)
+        if action is None or name in ("config", "help"):
+            known = ", ".join(sorted(k for k in actions if k not in ("config", "help")))
+            raise InvalidConfig(
+                f"config file {os.fspath(path)!r}: unknown setting {key!r}; known: {known}",
+                param="config",
+            )
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise InvalidConfig(
+                    f"config file {path!r}: {key!r} must be true or false", param="config"
+                )
+            if value:
+                argv.append(f"--{name}")
+        elif isinstance(value, (dict, list)) or value is None:
+            raise InvalidConfig(
+                f"config file {path!r}: {key!r} must be a single value", param="config"
+            )
+        else:
+            argv += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv

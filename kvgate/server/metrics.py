@@ -1,0 +1,164 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers read them.
+
+Two sources, one registry per app (no process-global registry):
+- ``EngineCollector`` reads live state at scrape time (running / waiting requests, KV usage,
+  prefix-cache and preemption counters), so a scrape right after a burst of aborts already
+  shows the pool back at its baseline, without waiting for another engine step;
+- ``PrometheusStatsListener`` turns each step's ``IterationStats`` into histograms (TTFT,
+  inter-token latency, end-to-end, queue, prefill, decode) and token counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.stats import IterationStats
+
+# Seconds. From a few ms (GPU decode) to many minutes (long CPU prefills behind a queue).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+               1.0, 2.5, 5.0, 10.0, 20.0)  # fmt: skip
+REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)  # fmt: skip
+
+LABELS = ("model_name",)
+
+
+class EngineCollector(Collector):
+    """Live engine state; yields nothing until the engine exists."""
+
+    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        labels = [self._model_name]
+        sched, kv = engine.scheduler, engine.kv_cache
+        pool = kv.pool
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(labels, value)
+            return c
+
+        # len() of a list or deque is atomic under the GIL: safe to read from this thread.
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", len(sched.running)
+        )
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", len(sched.waiting))
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            pool.num_used_blocks / max(pool.num_blocks, 1),
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.prefix_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Requests preempted for lack of KV blocks.",
+            sched.num_preemptions,
+        )
+        blocks = GaugeMetricFamily(
+            "kvgate:kv_cache_blocks",
+            "KV-cache blocks by state: used (held by requests), cached (free but holding a "
+            "reusable prefix), free.",
+            labels=(*LABELS, "state"),
+        )
+        cached = pool.num_free_cached_blocks()
+        blocks.add_metric([*labels, "used"], pool.num_used_blocks)
+        blocks.add_metric([*labels, "cached"], cached)
+        blocks.add_metric([*labels, "free"], pool.num_free_blocks - cached)
+        yield blocks
+
+
+class PrometheusStatsListener:
+    """Receives ``IterationStats`` on the engine thread (prometheus_client is thread-safe)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=registry, buckets=buckets)
+
+        def count(name: str, doc: str, labels: tuple[str, ...] = LABELS) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue = hist(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS
+        )
+        self.req_prompt = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
+        )
+        self.req_gen = hist(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request.",
+            TOKEN_BUCKETS,
+        )
+        self.iter_tokens = hist(
+            "vllm:iteration_tokens_total", "Tokens run through the model per step.", TOKEN_BUCKETS
+        )
+        self.step_time = hist(
+            "kvgate:engine_step_seconds", "Wall time of one engine step.", ITL_BUCKETS
+        )
+        self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that began.")
+        self.generation_tokens = count("vllm:generation_tokens", "Tokens generated.")
+        self.success = count(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            (*LABELS, "finished_reason"),
+        )
+
+    def on_step(self, stats: IterationStats) -> None:
+        m = self.model_name
+        if stats.batch_size:
+            self.iter_tokens.labels(m).observe(stats.num_batched_tokens)
+            self.step_time.labels(m).observe(stats.step_seconds)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.labels(m).inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.labels(m).observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.labels(m).observe(itl)
+        for f in stats.finished:
+            self.success.labels(m, f.finish_reason).inc()
+            if f.finish_reason in ("abort", "error"):
+                continue  # latencies of requests that did not complete would skew the histograms
+            self.e2e.labels(m).observe(f.metrics.e2e_seconds)
+            self.queue.labels(m).observe(f.metrics.queue_seconds)
+            self.prefill.labels(m).observe(f.metrics.prefill_seconds)
+            self.decode.labels(m).observe(f.metrics.decode_seconds)
+            self.req_prompt.labels(m).observe(f.num_prompt_tokens)
+            self.req_gen.labels(m).observe(f.num_output_tokens)

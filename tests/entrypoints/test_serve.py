@@ -1,0 +1,63 @@
+"""``kvgate serve`` as a user runs it: a process, a config file, start-up lines, a clean exit."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server.conftest import _free_port
+
+
+def _serve(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvgate.entrypoints.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_serve_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    config = tmp_path / "kvgate.toml"
+    config.write_text(
+        f'model = "{tiny_llama_dir}"\ndtype = "float32"\nport = {port}\n'
+        'kv-cache-memory = "16MiB"\nmax_model_len = 256\nserved-model-name = "tiny"\n'
+    )
+    proc = _serve("--config", str(config))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out
+    assert "KV pool" in out and "blocks x 16 tokens" in out and "GiB" in out
+    assert '"path": "/v1/completions"' in out  # the JSON access log line
+
+
+def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
+    proc = _serve("--model", str(tmp_path / "missing"), "--port", str(_free_port()))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "failed to load" in out and "missing" in out
+    assert "Traceback" not in out

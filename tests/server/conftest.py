@@ -1,0 +1,132 @@
+"""A real uvicorn on 127.0.0.1 serving the tiny random-weight Llama (fp32, so greedy output is
+exactly reproducible), and the pieces tests need to talk to it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from kvgate.config import EngineConfig
+from kvgate.entrypoints.serve import engine_loader
+from kvgate.server.app import ServerState, build_app
+from kvgate.server.config import ServerConfig
+
+API_KEY = "sk-test-key-a"
+MODEL = "tiny"
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    state: ServerState
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def tiny_engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "kv_cache_memory": "64MiB",
+        "max_model_len": 512,
+        "max_num_batched_tokens": 256,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_server(engine_config: EngineConfig, config: ServerConfig) -> LiveServer:
+    """Start uvicorn on a thread and wait until /health says the model is ready."""
+    port = _free_port()
+    config = ServerConfig(**{**config.__dict__, "port": port})
+    app = build_app(config, engine_loader(engine_config, config.max_queue_len))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", app.state.kvgate, server, thread)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{live.base_url}/health", timeout=1).status_code == 200:
+                return live
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    live.stop()
+    raise RuntimeError("server did not become healthy")
+
+
+@pytest.fixture(scope="session")
+def api_keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"# test keys\n{API_KEY} team-a\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_llama_dir: Path, api_keys_file: Path) -> Iterator[LiveServer]:
+    live = start_server(
+        tiny_engine_config(tiny_llama_dir),
+        ServerConfig(served_model_name=MODEL, api_keys_file=str(api_keys_file)),
+    )
+    yield live
+    live.stop()
+
+
+def wait_idle(live: LiveServer, timeout: float = 5.0) -> None:
+    engine = live.state.engine
+    assert engine is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.scheduler.requests and engine.kv_cache.pool.num_used_blocks == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {engine.scheduler.requests}")
+
+
+def scrape_metrics(live: LiveServer) -> dict[str, float]:
+    """``name{labels}`` -> value from /metrics (histogram buckets skipped)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{live.base_url}/metrics").text.splitlines():
+        if line.startswith(("vllm:", "kvgate:")) and "_bucket" not in line:
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def metric(values: dict[str, float], name: str) -> float:
+    """Sum of a metric over all its label sets."""
+    return sum(v for k, v in values.items() if k.split("{")[0] == name)
+
+
+def aborted_requests(live: LiveServer) -> float:
+    return sum(
+        v
+        for k, v in scrape_metrics(live).items()
+        if k.startswith("vllm:request_success_total") and 'finished_reason="abort"' in k
+    )

@@ -1,0 +1,165 @@
+"""Fuzz the request schema: whatever the body, the answer is never a 5xx and errors keep the
+OpenAI shape. Bodies mix valid values (so many requests really run) with arbitrary JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvgate.entrypoints.serve import engine_loader
+from kvgate.server.app import build_app
+from kvgate.server.config import ServerConfig
+from tests.server.conftest import tiny_engine_config
+
+ANY_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def field(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly a plausible value, one time in ten arbitrary JSON: so that many bodies get past
+    validation and really run, while every field still sees every type."""
+    return st.integers(0, 9).flatmap(lambda k: ANY_JSON if k == 0 else valid)
+
+
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": field(st.sampled_from(["system", "user", "assistant", "developer", "tool"])),
+        "content": field(
+            st.text(max_size=20)
+            | st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}),
+                max_size=2,
+            )
+        ),
+    }
+)
+SAMPLING: dict[str, st.SearchStrategy[Any]] = {
+    "model": field(st.sampled_from(["tiny", "gpt-4o"])),
+    "n": field(st.integers(-1, 3)),
+    "max_tokens": field(st.integers(-1, 6)),
+    "temperature": field(st.floats(-1.0, 3.0)),
+    "top_p": field(st.floats(-0.5, 1.5)),
+    "top_k": field(st.integers(-3, 100)),
+    "min_p": field(st.floats(-0.5, 1.5)),
+    "presence_penalty": field(st.floats(-3.0, 3.0)),
+    "frequency_penalty": field(st.floats(-3.0, 3.0)),
+    "repetition_penalty": field(st.floats(-1.0, 3.0)),
+    "seed": field(st.integers(-(2**65), 2**65)),
+    "stop": field(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)),
+    "stop_token_ids": field(st.lists(st.integers(-2, 60000), max_size=2)),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "ignore_eos": field(st.booleans()),
+    "user": field(st.text(max_size=5)),
+}
+CHAT = st.fixed_dictionaries(
+    {"messages": field(st.lists(MESSAGE, max_size=3))},
+    optional={
+        **SAMPLING,
+        "max_completion_tokens": field(st.integers(-1, 6)),
+        "logprobs": field(st.booleans()),
+        "top_logprobs": field(st.integers(-1, 25)),
+    },
+)
+COMPLETION = st.fixed_dictionaries(
+    {
+        "prompt": field(
+            st.text(max_size=30)
+            | st.lists(st.text(max_size=8), max_size=3)
+            | st.lists(st.integers(-3, 50000), max_size=6)
+            | st.lists(st.lists(st.integers(-3, 50000), max_size=4), max_size=2)
+        )
+    },
+    optional={
+        **SAMPLING,
+        "logprobs": field(st.integers(-1, 25)),
+        "echo": field(st.booleans()),
+        "best_of": field(st.integers(0, 3)),
+        "suffix": field(st.text(max_size=3)),
+    },
+)
+TOKENIZE = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": field(st.text(max_size=20)),
+        "messages": field(st.lists(MESSAGE, max_size=2)),
+    },
+)
+DETOKENIZE = st.fixed_dictionaries({"tokens": field(st.lists(st.integers(-2, 60000), max_size=5))})
+
+
+@pytest.fixture(scope="module")
+def http(tiny_llama_dir: Path) -> Iterator[TestClient]:
+    # A short context keeps requests that omit max_tokens quick.
+    config = tiny_engine_config(tiny_llama_dir, max_model_len=48, kv_cache_memory="8MiB")
+    app = build_app(ServerConfig(served_model_name="tiny"), engine_loader(config, 64))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        import time
+
+        while client.get("/health").status_code != 200:
+            time.sleep(0.02)
+        yield client
+
+
+def check(response: Any) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert isinstance(error["message"], str) and error["message"]
+        assert isinstance(error["code"], str)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in response.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        for event in events[:-1]:
+            assert "error" not in json.loads(event.removeprefix("data: ")), event
+
+
+FUZZ = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@FUZZ
+@given(body=CHAT)
+def test_chat_schema(http: TestClient, body: dict[str, Any]) -> None:
+    check(http.post("/v1/chat/completions", json=body))
+
+
+@FUZZ
+@given(body=COMPLETION)
+def test_completions_schema(http: TestClient, body: dict[str, Any]) -> None:
+    check(http.post("/v1/completions", json=body))
+
+
+@FUZZ
+@given(path=st.sampled_from(["/tokenize", "/detokenize"]), body=TOKENIZE | DETOKENIZE)
+def test_tokenize_schema(http: TestClient, path: str, body: dict[str, Any]) -> None:
+    check(http.post(path, json=body))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize"]),
+    raw=st.binary(max_size=40) | ANY_JSON.map(lambda v: json.dumps(v).encode()),
+)
+def test_any_bytes_as_body(http: TestClient, path: str, raw: bytes) -> None:
+    check(http.post(path, content=raw, headers={"Content-Type": "application/json"}))
