@@ -28,7 +28,9 @@ def test_stats_add_up(tiny_llama_dir: Path) -> None:
         listeners=[recorder],
     )  # fmt: skip
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    prompts = {"a": list(range(100, 140)), "b": list(range(200, 210)), "c": [7, 8, 9]}
+    # Served first come, first served: "c" and "b" get their first token in step one, "a"
+    # (40 tokens against a 32-token budget) in step two.
+    prompts = {"c": [7, 8, 9], "b": list(range(200, 210)), "a": list(range(100, 140))}
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
     engine.step()
