@@ -14,12 +14,13 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded
@@ -36,6 +37,15 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], None]
+
+
+#: How long a stalled engine loop waits for a command before it looks at deadlines again.
+_STALL_WAIT_S = 0.005
 
 
 class _Stream:
@@ -60,7 +70,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -75,8 +85,11 @@ class AsyncLLM:
         *,
         max_queue_len: int | None = None,
         listeners: Sequence[StatsListener] = (),
+        policy: SchedulingPolicy | None = None,
     ) -> AsyncLLM:
-        return cls(LLMEngine(config, listeners=listeners), max_queue_len=max_queue_len)
+        return cls(
+            LLMEngine(config, listeners=listeners, policy=policy), max_queue_len=max_queue_len
+        )
 
     @property
     def is_running(self) -> bool:
@@ -151,6 +164,10 @@ class AsyncLLM:
             if not finished:
                 self.abort(rid)
 
+    def call_in_engine(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread between two steps (e.g. to swap policy settings)."""
+        self._commands.put(_Call(fn))
+
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort from any thread; the engine frees the blocks before its next step."""
         ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
@@ -163,15 +180,21 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        stalled = False  # the last step ran nothing: every queued request is held back
         try:
             while True:
                 idle = not self.engine.has_unfinished()
-                if not self._drain_commands(block=idle):
+                # Stalled (e.g. a tenant at its KV ceiling), wait a little for a command rather
+                # than spin; requests may still expire, so do not wait for ever.
+                wait = None if idle else (_STALL_WAIT_S if stalled else 0.0)
+                if not self._drain_commands(wait):
                     self._fail_all(RuntimeError("engine shut down"))
                     return
                 if not self.engine.has_unfinished():
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                stalled = not outputs and self.engine.last_batch_size == 0
+                for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # a bug in the loop itself: fail every stream, loudly
             log.exception("engine loop died")
@@ -185,18 +208,27 @@ class AsyncLLM:
         for stream in streams:
             stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
 
-    def _drain_commands(self, *, block: bool) -> bool:
-        """Apply queued adds and aborts; False once shutdown was asked for."""
+    def _drain_commands(self, wait: float | None) -> bool:
+        """Apply queued commands, waiting up to ``wait`` seconds for the first one (None: for
+        ever); False once shutdown was asked for."""
         first = True
         while True:
             try:
-                cmd = self._commands.get(block=block and first)
+                if first and wait != 0.0:
+                    cmd = self._commands.get(timeout=wait)
+                else:
+                    cmd = self._commands.get(block=False)
             except queue.Empty:
                 return True
             first = False
             if cmd is None:
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.fn()
+                except Exception:
+                    log.exception("engine-thread call failed")
+            elif isinstance(cmd, _Add):
                 try:
                     self.engine.add(cmd.request)
                 except Exception as exc:

@@ -29,6 +29,9 @@ class KVCacheManager:
         # Metrics: prefix cache queries and hits, in tokens (vLLM's unit).
         self.prefix_queries = 0
         self.prefix_hits = 0
+        #: Blocks held by each tenant's requests (a block shared by two requests counts twice):
+        #: what KV quotas are measured against.
+        self.tenant_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -74,6 +77,15 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
+    def num_blocks_to_add(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """Blocks ``request`` will hold in addition after ``allocate_slots`` with these
+        arguments (prefix hits included): what its tenant's quota is checked against."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        return max(cdiv(num_computed + num_new_tokens, self.block_size) - held, 0)
+
     def allocate_slots(
         self,
         request: Request,
@@ -96,12 +108,16 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
+        held_before = len(blocks)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             self._num_cached[request.request_id] = len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
+        if len(blocks) != held_before:
+            tb = self.tenant_blocks
+            tb[request.tenant] = tb.get(request.tenant, 0) + len(blocks) - held_before
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
@@ -128,6 +144,11 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if blocks:
             self.pool.release(reversed(blocks))
+            left = self.tenant_blocks.get(request.tenant, 0) - len(blocks)
+            if left > 0:
+                self.tenant_blocks[request.tenant] = left
+            else:
+                self.tenant_blocks.pop(request.tenant, None)
 
     def num_reserved_slots(self) -> int:
         """Token slots in blocks held by requests (for fragmentation metrics)."""

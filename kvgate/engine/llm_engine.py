@@ -14,6 +14,7 @@ from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.kv_cache import KVCacheManager, cdiv
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
@@ -59,9 +60,16 @@ class _OutputState:
 
 
 class LLMEngine:
-    """``listeners`` receive an ``IterationStats`` after every step (metrics exporters)."""
+    """``listeners`` receive an ``IterationStats`` after every step (metrics exporters);
+    ``policy`` orders and entitles requests (FIFO when None; see ``engine/policy.py``)."""
 
-    def __init__(self, config: EngineConfig, *, listeners: Sequence[StatsListener] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        listeners: Sequence[StatsListener] = (),
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
         self.config = config
         self.listeners: list[StatsListener] = list(listeners)
         if config.num_threads is not None:
@@ -129,6 +137,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             ),
             self.kv_cache,
+            policy,
         )
         self.runner = ModelRunner(self.model, kv_caches, config.block_size)
         eos = set(self.model_config.eos_token_ids)
@@ -138,6 +147,7 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
         self.num_steps = 0
+        self.last_batch_size = 0
 
     # ------------------------------------------------------------------ set-up helpers
     def _resolve_max_model_len(self) -> int:
@@ -181,8 +191,14 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: bytes | None = None,
+        tenant: str = "default",
+        deadline: float | None = None,
+        queue_deadline: float | None = None,
     ) -> Request:
-        """Validate and tokenize a request. Thread-safe: touches no engine state."""
+        """Validate and tokenize a request. Thread-safe: touches no engine state.
+
+        ``deadline`` / ``queue_deadline`` are ``time.monotonic()`` instants (see ``Request``).
+        """
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -198,7 +214,14 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
         return Request(
-            request_id, token_ids, params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            tenant=tenant,
+            deadline=deadline,
+            queue_deadline=queue_deadline,
         )
 
     def add(self, request: Request) -> None:
@@ -235,8 +258,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         stats = IterationStats()
+        for request in self.scheduler.expire():
+            self._aborted.append(self._final_output(request))
         sched = self.scheduler.schedule()
-        stats.batch_size = len(sched.sequences)
+        self.last_batch_size = stats.batch_size = len(sched.sequences)
         stats.num_batched_tokens = sched.num_batched_tokens
         try:
             runner_out = self.runner.execute(sched)

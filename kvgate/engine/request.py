@@ -17,6 +17,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    #: Ran past its deadline: ends with the output so far.
+    FINISHED_DEADLINE = "deadline"
+    #: Waited in the queue past its tenant's maximum queue time: refused, nothing generated.
+    FINISHED_QUEUE_TIMEOUT = "queue_timeout"
 
     @property
     def finished(self) -> bool:
@@ -34,6 +38,8 @@ _FINISHED = frozenset(
         RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_ERROR,
+        RequestStatus.FINISHED_DEADLINE,
+        RequestStatus.FINISHED_QUEUE_TIMEOUT,
     }
 )
 
@@ -55,8 +61,17 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         cache_salt: bytes | None = None,
         arrival_time: float | None = None,
+        tenant: str = "default",
+        deadline: float | None = None,
+        queue_deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
+        #: Whose request this is: the scheduling policy's quotas, shares and priority key.
+        self.tenant = tenant
+        #: time.monotonic() after which the request ends with what it has ("deadline").
+        self.deadline = deadline
+        #: time.monotonic() after which a request never scheduled is refused ("queue_timeout").
+        self.queue_deadline = queue_deadline
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids

@@ -10,8 +10,7 @@ freed and it is recomputed later (mostly from the prefix cache).
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvgate.engine.kv_cache import KVCacheManager
@@ -21,6 +20,7 @@ from kvgate.engine.messages import (
     ScheduledSequence,
     SchedulerOutput,
 )
+from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 
 
@@ -39,22 +39,40 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    """``policy`` decides order and entitlement (see ``engine/policy.py``); FIFO by default."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
+        self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> SchedulingPolicy:
+        """The waiting requests (the policy keeps them, in its own order)."""
+        return self.policy
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
 
     # ------------------------------------------------------------------ queue changes
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.policy.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests at once (abort, stop string, deadline): blocks go back immediately."""
@@ -67,83 +85,156 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.policy.remove(request)
             self._end(request, status)
             ended.append(request)
         return ended
+
+    def expire(self) -> list[Request]:
+        """End requests past their deadlines: queued past the queue limit (refused) or running
+        past the request deadline (ended with their output so far). Their blocks are free."""
+        now = self.clock()
+        queue_timeouts = [
+            r.request_id
+            for r in self.policy
+            if r.queue_deadline is not None
+            and r.queue_deadline < now
+            and r.first_scheduled_time is None
+        ]
+        late = [
+            r.request_id
+            for r in self.requests.values()
+            if r.deadline is not None and r.deadline < now
+        ]
+        ended = self.finish_requests(queue_timeouts, RequestStatus.FINISHED_QUEUE_TIMEOUT)
+        return ended + self.finish_requests(late, RequestStatus.FINISHED_DEADLINE)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
+        self.policy.on_finished(request)
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_since_last_step.add(request.request_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        scheduled: dict[str, ScheduledSequence] = {}
         new_requests: list[NewRequestData] = []
         preempted: list[str] = []
+        kv, policy = self.kv_cache, self.policy
 
-        # 1. Running requests: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        def preempt(victim: Request) -> None:
+            nonlocal budget
+            seq = scheduled.pop(victim.request_id, None)
+            if seq is not None:  # scheduled earlier in this step: give its budget back
+                budget += seq.num_tokens
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+        def need_of(request: Request, extra_blocks: int) -> Need | None:
+            """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
+            held = kv.tenant_blocks.get(request.tenant, 0)
+            if not policy.may_hold(request.tenant, held + extra_blocks):
+                return Need.QUOTA
+            if extra_blocks > kv.pool.num_free_blocks:
+                return Need.POOL
+            return None
+
+        # 1. Running requests: decodes and unfinished prefill chunks, in the policy's order.
+        grew_by_preempting = False
+        for request in policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for another
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running.pop()  # newest admitted goes first
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+            while True:
+                need = need_of(request, kv.num_blocks_to_add(request, num_new))
+                if need is None and kv.allocate_slots(request, num_new):
+                    scheduled[request.request_id] = self._sequence(request, num_new)
+                    budget -= num_new
+                    break
+                victim = policy.victim(
+                    request, self.running, kv.tenant_blocks, need or Need.POOL, admitting=False
+                )
+                assert victim is not None and victim.status == RequestStatus.RUNNING
+                preempt(victim)
+                grew_by_preempting = True
                 if victim is request:
                     break
-            else:
-                scheduled.append(self._sequence(request, num_new))
-                budget -= num_new
-                i += 1
+
+        # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
+        # After preempting to let running requests grow, the pool is tight: admitting more
+        # would only thrash, unless the newcomer outranks running work (a policy victim).
+        blocked: set[str] = set()  # tenants that cannot admit more in this step
+        while budget > 0:
+            candidate = policy.pick(blocked)
+            if candidate is None:
+                break
+            if grew_by_preempting and (
+                policy.victim(candidate, self.running, kv.tenant_blocks, Need.POOL, admitting=True)
+                is None
+            ):
+                blocked.add(candidate.tenant)
                 continue
-            break  # the request itself was preempted: nothing after it is left to schedule
-
-        # 2. Waiting requests, in order, while budget, sequence slots and blocks allow.
-        # After a preemption the pool is tight: admitting more would only thrash.
-        while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
-                break
-            self.waiting.popleft()
-            self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if request.request_id not in self._sent_to_runner:
-                self._sent_to_runner.add(request.request_id)
-                new_requests.append(
-                    NewRequestData(request.request_id, request.prompt_token_ids, request.params)
+                victim = policy.victim(
+                    candidate, self.running, kv.tenant_blocks, Need.SLOT, admitting=True
                 )
-            scheduled.append(self._sequence(request, num_new))
-            budget -= num_new
+                if victim is None:
+                    break
+                preempt(victim)
+                continue
+            hits, num_hit_tokens = kv.get_computed_blocks(candidate)
+            num_new = min(candidate.num_tokens - num_hit_tokens, budget)
+            need = need_of(candidate, kv.num_blocks_to_add(candidate, num_new, hits))
+            if need is None and kv.allocate_slots(candidate, num_new, hits):
+                self._admit(candidate, num_hit_tokens, new_requests)
+                scheduled[candidate.request_id] = self._sequence(candidate, num_new)
+                budget -= num_new
+                continue
+            victim = policy.victim(
+                candidate, self.running, kv.tenant_blocks, need or Need.POOL, admitting=True
+            )
+            if victim is not None:
+                preempt(victim)
+            elif need is Need.QUOTA:
+                blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
+            else:
+                break  # the pool is full: later requests wait their turn
 
+        for seq in scheduled.values():
+            policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens)
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
         return SchedulerOutput(
-            sequences=tuple(scheduled),
+            sequences=tuple(scheduled.values()),
             new_requests=tuple(new_requests),
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
         )
+
+    def _admit(
+        self, request: Request, num_hit_tokens: int, new_requests: list[NewRequestData]
+    ) -> None:
+        self.policy.remove(request)
+        self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if request.request_id not in self._sent_to_runner:
+            self._sent_to_runner.add(request.request_id)
+            new_requests.append(
+                NewRequestData(request.request_id, request.prompt_token_ids, request.params)
+            )
 
     def _sequence(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -162,7 +253,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.policy.requeue(request)
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, end requests that hit a token stop.

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput
+from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.sampling_params import SamplingParams
@@ -39,10 +42,12 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 128,
     enable_prefix_caching: bool = True,
+    policy: SchedulingPolicy | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-    return Scheduler(cfg, kv)
+    return Scheduler(cfg, kv, policy, clock)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **kw: object) -> Request:

@@ -1,0 +1,294 @@
+"""Who runs next: the scheduling policy the scheduler is given. Pure Python.
+
+The scheduler owns the mechanics (token budget, blocks, preemption by recompute); the policy
+owns the waiting queue and decides order and entitlement:
+
+- ``pick``: which waiting request is tried next;
+- ``may_hold``: whether a tenant may hold that many KV blocks (its ceiling);
+- ``victim``: whom to preempt when a request needs room.
+
+``FifoPolicy`` is arrival order, newest running request preempted first: what tenant-blind
+engines do. ``TenantFairPolicy`` adds strict priority between classes, weighted fair sharing
+within a class by virtual token counters, and KV quotas (a guaranteed share and a ceiling):
+an idle tenant's share is lent to busy ones and taken back by preemption when it returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvgate.engine.request import Request
+
+
+class Need(enum.Enum):
+    """Why a request cannot get its blocks."""
+
+    POOL = "pool"  # the pool is out of free blocks
+    QUOTA = "quota"  # its tenant would pass its ceiling
+    SLOT = "slot"  # max_num_seqs requests are already running
+
+
+class SchedulingPolicy(Protocol):
+    def __len__(self) -> int:
+        """Requests waiting."""
+        ...
+
+    def __iter__(self) -> Iterator[Request]:
+        """Waiting requests (any order)."""
+        ...
+
+    def add(self, request: Request) -> None:
+        """A new request arrives."""
+        ...
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request goes back to wait, ahead of its tenant's newer ones."""
+        ...
+
+    def remove(self, request: Request) -> None:
+        """A waiting request leaves (scheduled, aborted or expired)."""
+        ...
+
+    def pick(self, blocked: set[str]) -> Request | None:
+        """The waiting request to try next, from a tenant not in ``blocked``; None to stop."""
+        ...
+
+    def running_order(self, running: Sequence[Request]) -> list[Request]:
+        """Running requests in the order they get this step's budget."""
+        ...
+
+    def may_hold(self, tenant: str, num_blocks: int) -> bool:
+        """Whether ``tenant`` may hold ``num_blocks`` KV blocks in all."""
+        ...
+
+    def victim(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        tenant_blocks: Mapping[str, int],
+        need: Need,
+        admitting: bool,
+    ) -> Request | None:
+        """A running request to preempt so that ``request`` gets room, or None.
+
+        For a running request that must grow (``admitting`` False) the answer is never None:
+        it may be the request itself.
+        """
+        ...
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        """``num_tokens`` of ``request`` are computed in this step (its tenant was served)."""
+        ...
+
+    def on_finished(self, request: Request) -> None:
+        """The request ended (any reason)."""
+        ...
+
+
+class FifoPolicy:
+    """Arrival order; the newest running request is preempted first; no quotas."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def requeue(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def pick(self, blocked: set[str]) -> Request | None:
+        if not self._queue or self._queue[0].tenant in blocked:
+            return None  # head-of-line: FIFO never jumps the queue
+        return self._queue[0]
+
+    def running_order(self, running: Sequence[Request]) -> list[Request]:
+        return list(running)
+
+    def may_hold(self, tenant: str, num_blocks: int) -> bool:
+        return True
+
+    def victim(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        tenant_blocks: Mapping[str, int],
+        need: Need,
+        admitting: bool,
+    ) -> Request | None:
+        if admitting:
+            return None
+        return running[-1]  # newest admitted
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        pass
+
+    def on_finished(self, request: Request) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """What the policy needs to know of a tenant.
+
+    ``priority``: 0 is served first (critical), larger numbers later. ``weight``: its share of
+    served tokens against other tenants of the same class. ``guaranteed_blocks``: KV blocks it
+    can always reclaim by preemption; ``ceiling_blocks``: most it may ever hold.
+    """
+
+    priority: int = 1
+    weight: float = 1.0
+    guaranteed_blocks: int = 0
+    ceiling_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"weight must be positive, got {self.weight}")
+
+
+class TenantFairPolicy:
+    """Strict priority between classes; weighted fair shares within one; KV quotas.
+
+    Fair share: each tenant has a virtual time, the tokens it has been served divided by its
+    weight; the waiting request of the lowest (priority, virtual time) goes first. A tenant that
+    returns from idle starts at the smallest virtual time among active tenants, so an idle
+    spell earns no credit to flood with later.
+    """
+
+    def __init__(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
+        self.shares = dict(shares)
+        self.default = default
+        self._queues: dict[str, deque[Request]] = {}
+        self._len = 0
+        self._seq: dict[str, int] = {}  # request id -> arrival order, for stable ties
+        self._counter = itertools.count()
+        self.vtime: dict[str, float] = {}
+        self._active: dict[str, int] = {}  # tenant -> unfinished requests
+
+    def update(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
+        """New shares (a reloaded tenants file); queued and running requests keep their place."""
+        self.shares = dict(shares)
+        self.default = default
+
+    def share(self, tenant: str) -> TenantShare:
+        return self.shares.get(tenant, self.default)
+
+    # ------------------------------------------------------------------ the waiting queue
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain.from_iterable(list(q) for q in list(self._queues.values()))
+
+    def add(self, request: Request) -> None:
+        tenant = request.tenant
+        if not self._active.get(tenant):
+            others = [self.vtime.get(t, 0.0) for t, n in self._active.items() if n]
+            self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), min(others, default=0.0))
+        self._active[tenant] = self._active.get(tenant, 0) + 1
+        self._seq[request.request_id] = next(self._counter)
+        self._queues.setdefault(tenant, deque()).append(request)
+        self._len += 1
+
+    def requeue(self, request: Request) -> None:
+        self._queues.setdefault(request.tenant, deque()).appendleft(request)
+        self._len += 1
+
+    def remove(self, request: Request) -> None:
+        queue = self._queues[request.tenant]
+        queue.remove(request)
+        self._len -= 1
+        if not queue:
+            del self._queues[request.tenant]
+
+    def pick(self, blocked: set[str]) -> Request | None:
+        best: Request | None = None
+        best_key: tuple[int, float, int] | None = None
+        for tenant, queue in self._queues.items():
+            if tenant in blocked:
+                continue
+            head = queue[0]
+            key = (self.share(tenant).priority, self.vtime.get(tenant, 0.0), self._order(head))
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
+
+    # ------------------------------------------------------------------ entitlement
+    def running_order(self, running: Sequence[Request]) -> list[Request]:
+        return sorted(running, key=lambda r: self.share(r.tenant).priority)  # stable
+
+    def may_hold(self, tenant: str, num_blocks: int) -> bool:
+        ceiling = self.share(tenant).ceiling_blocks
+        return ceiling is None or num_blocks <= ceiling
+
+    def victim(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        tenant_blocks: Mapping[str, int],
+        need: Need,
+        admitting: bool,
+    ) -> Request | None:
+        tenant = request.tenant
+        others = [r for r in running if r is not request]
+        if need is Need.QUOTA:
+            # Only the tenant's own blocks count against its ceiling.
+            own = [r for r in others if r.tenant == tenant]
+            if admitting:
+                return None  # a newcomer waits for its tenant's running work
+            return max(own, key=self._order) if own else request
+        priority = self.share(tenant).priority
+
+        def over(t: str) -> int:
+            return tenant_blocks.get(t, 0) - self.share(t).guaranteed_blocks
+
+        lower = [r for r in others if self.share(r.tenant).priority > priority]
+        if lower:  # strict priority: the lowest class goes first, its most over-share tenant
+            return max(
+                lower,
+                key=lambda r: (self.share(r.tenant).priority, over(r.tenant), self._order(r)),
+            )
+        if over(tenant) < 0:  # under its guarantee: take back what was lent
+            lenders = [
+                r
+                for r in others
+                if r.tenant != tenant
+                and self.share(r.tenant).priority == priority
+                and over(r.tenant) > 0
+            ]
+            if lenders:
+                return max(lenders, key=lambda r: (over(r.tenant), self._order(r)))
+        if admitting:
+            return None
+        own = [r for r in running if r.tenant == tenant]
+        return max(own, key=self._order)  # the tenant's newest, possibly the request itself
+
+    # ------------------------------------------------------------------ accounting
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        tenant = request.tenant
+        self.vtime[tenant] = self.vtime.get(tenant, 0.0) + num_tokens / self.share(tenant).weight
+
+    def on_finished(self, request: Request) -> None:
+        self._seq.pop(request.request_id, None)
+        n = self._active.get(request.tenant, 0) - 1
+        if n > 0:
+            self._active[request.tenant] = n
+        else:
+            self._active.pop(request.tenant, None)
+
+    def _order(self, request: Request) -> int:
+        return self._seq.get(request.request_id, -1)
