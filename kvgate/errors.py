@@ -53,6 +53,29 @@ class PromptTooLong(InvalidRequest):
         self.max_model_len = max_model_len
 
 
+class TenantLimitExceeded(InvalidRequest):
+    """The request can never fit one of its tenant's limits; ``param`` names the limit."""
+
+    code = "tenant_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, value: int | float) -> None:
+        super().__init__(message, param=limit)
+        self.limit = limit
+        self.value = value
+
+
+class QueueTimeout(KVGateError):
+    """The request waited past its tenant's max_queue_time and was refused."""
+
+    code = "queue_timeout"
+
+
+class PermissionDenied(KVGateError):
+    """The caller's key may not do this (e.g. an admin endpoint with a tenant key)."""
+
+    code = "permission_denied"
+
+
 class DuplicateRequestId(InvalidRequest):
     code = "duplicate_request_id"
 

@@ -18,7 +18,13 @@ from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
-from kvgate.engine.stats import FinishedRequestStats, IterationStats, RequestMetrics, StatsListener
+from kvgate.engine.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    RequestMetrics,
+    StatsListener,
+    TenantLedger,
+)
 from kvgate.errors import (
     DuplicateRequestId,
     EmptyPrompt,
@@ -148,6 +154,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self.num_steps = 0
         self.last_batch_size = 0
+        self.ledger = TenantLedger()
 
     # ------------------------------------------------------------------ set-up helpers
     def _resolve_max_model_len(self) -> int:
@@ -273,6 +280,7 @@ class LLMEngine:
             self.num_steps += 1
             outputs = self._collect(touched, runner_out, stats)
         stats.step_seconds = time.monotonic() - t0
+        self.ledger.record(stats, self.kv_cache.tenant_blocks)
         for listener in self.listeners:
             listener.on_step(stats)
         return outputs
@@ -327,10 +335,12 @@ class LLMEngine:
     def _record_token(request: Request, now: float, stats: IterationStats) -> None:
         """A new token for ``request`` arrived at ``now``: TTFT or an inter-token gap."""
         stats.num_generation_tokens += 1
+        stats.generation_tokens_by_tenant[request.tenant] += 1
         if request.first_token_time is None:
             request.first_token_time = now
             stats.time_to_first_tokens.append(now - request.arrival_time)
             stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.prompt_tokens_by_tenant[request.tenant] += request.num_prompt_tokens
         elif request.last_token_time is not None:
             stats.inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
@@ -342,6 +352,7 @@ class LLMEngine:
                 stats.finished.append(
                     FinishedRequestStats(
                         request_id=out.request_id,
+                        tenant=out.tenant,
                         finish_reason=out.finish_reason or "abort",
                         num_prompt_tokens=out.num_prompt_tokens,
                         num_output_tokens=out.num_output_tokens,
@@ -367,6 +378,7 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
             metrics=RequestMetrics.of(request, time.monotonic()) if finished else None,
+            tenant=request.tenant,
         )
 
     def _final_output(self, request: Request) -> RequestOutput:

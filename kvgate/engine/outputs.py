@@ -29,6 +29,7 @@ class RequestOutput:
     error: str | None = None
     #: The request's timeline; on the final output only.
     metrics: RequestMetrics | None = None
+    tenant: str = "default"
 
 
 @dataclass(frozen=True)

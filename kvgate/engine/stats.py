@@ -7,6 +7,7 @@ All times are ``time.monotonic()`` seconds; durations are seconds.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +49,7 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class FinishedRequestStats:
     request_id: str
+    tenant: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_output_tokens: int
@@ -66,9 +68,31 @@ class IterationStats:
     #: Sequences in the step's batch and tokens the model ran over.
     batch_size: int = 0
     num_batched_tokens: int = 0
+    prompt_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
+    generation_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class TenantLedger:
+    """Per-tenant accounting on the engine thread: tokens in and out, KV block-seconds, and
+    finished requests by reason. Read from other threads (plain ints and floats)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: Counter[str] = Counter()
+        self.generation_tokens: Counter[str] = Counter()
+        self.block_seconds: dict[str, float] = {}
+        self.finished: Counter[tuple[str, str]] = Counter()  # (tenant, finish reason)
+
+    def record(self, stats: IterationStats, tenant_blocks: dict[str, int]) -> None:
+        self.prompt_tokens.update(stats.prompt_tokens_by_tenant)
+        self.generation_tokens.update(stats.generation_tokens_by_tenant)
+        for tenant, blocks in tenant_blocks.items():
+            held = self.block_seconds.get(tenant, 0.0)
+            self.block_seconds[tenant] = held + blocks * stats.step_seconds
+        for f in stats.finished:
+            self.finished[(f.tenant, f.finish_reason)] += 1
 
 
 class StatsListener(Protocol):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.server.config import ServerConfig
 
@@ -29,6 +30,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--api-keys-file",
         default=None,
         help="file of 'KEY [TENANT]' lines; when given, every API call needs a key",
+    )
+    g.add_argument(
+        "--tenants",
+        default=None,
+        help="tenants file (TOML/YAML): keys, priorities, KV quotas, rate limits; "
+        "re-read on SIGHUP or POST /admin/reload",
+    )
+    g.add_argument(
+        "--scheduling",
+        default="fair",
+        choices=["fair", "fifo"],
+        help="fair: tenant priorities, fair shares and quotas; fifo: arrival order",
     )
     g.add_argument(
         "--max-queue-len",
@@ -51,6 +64,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         port=a.port,
         served_model_name=name,
         api_keys_file=a.api_keys_file,
+        tenants_file=a.tenants,
+        scheduling=a.scheduling,
         max_queue_len=a.max_queue_len,
         access_log=a.access_log,
         log_level=a.log_level,
@@ -78,9 +93,11 @@ def setup_logging(config: ServerConfig) -> None:
 
 def engine_loader(
     engine_config: EngineConfig, max_queue_len: int
-) -> Callable[[Sequence[StatsListener]], AsyncLLM]:
-    def load(listeners: Sequence[StatsListener]) -> AsyncLLM:
-        return AsyncLLM.from_config(engine_config, max_queue_len=max_queue_len, listeners=listeners)
+) -> Callable[[Sequence[StatsListener], SchedulingPolicy | None], AsyncLLM]:
+    def load(listeners: Sequence[StatsListener], policy: SchedulingPolicy | None) -> AsyncLLM:
+        return AsyncLLM.from_config(
+            engine_config, max_queue_len=max_queue_len, listeners=listeners, policy=policy
+        )
 
     return load
 

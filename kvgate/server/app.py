@@ -6,7 +6,10 @@ answers 503 and the API answers 503 ``model_loading`` with Retry-After.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -20,16 +23,20 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.policy import SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.engine.stats import StatsListener
-from kvgate.errors import EngineDead, InvalidRequest
+from kvgate.errors import EngineDead, InvalidRequest, KVGateError
+from kvgate.governance.tenants import TenantsConfig
 from kvgate.server.access_log import AccessLogMiddleware, access_record
-from kvgate.server.auth import ApiKeys
+from kvgate.server.admin import install_admin_routes
+from kvgate.server.auth import load_api_keys_file
 from kvgate.server.chat import create_chat_completion
 from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.errors import AuthenticationFailed, ModelLoading, install_error_handlers
 from kvgate.server.generation import ServingContext
-from kvgate.server.metrics import EngineCollector, PrometheusStatsListener
+from kvgate.server.governance import Governance
+from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
 from kvgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,14 +47,15 @@ from kvgate.server.streaming import ClientDisconnected
 
 log = logging.getLogger("kvgate.server")
 
-#: Builds the engine (on the loading thread), given the listeners it must report to.
-EngineLoader = Callable[[Sequence[StatsListener]], AsyncLLM]
+#: Builds the engine (on the loading thread), given the listeners it must report to and the
+#: scheduling policy (None: FIFO).
+EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], AsyncLLM]
 
 
 @dataclass
 class ServerState:
     config: ServerConfig
-    api_keys: ApiKeys
+    governance: Governance
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     serving: ServingContext | None = None
     load_error: BaseException | None = None
@@ -64,17 +72,19 @@ def _load(
     listener: StatsListener,
     on_load_error: Callable[[BaseException], None] | None,
 ) -> None:
+    policy = TenantFairPolicy({}, TenantShare()) if state.config.scheduling == "fair" else None
     try:
-        engine = loader([listener])
+        engine = loader([listener], policy)
     except BaseException as exc:
         state.load_error = exc
         log.error("model failed to load: %s", exc)
         if on_load_error is not None:
             on_load_error(exc)
         return
-    state.serving = ServingContext(engine, state.config.served_model_name)
-    state.ready.set()
     pool = engine.engine.kv_pool
+    state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
+    state.serving = ServingContext(engine, state.config.served_model_name, state.governance)
+    state.ready.set()
     log.info(
         "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
         state.config.served_model_name,
@@ -94,7 +104,7 @@ def _state(request: Request) -> ServerState:
 def authenticate(request: Request) -> str:
     """The caller's tenant, from its API key (``default`` when the server is open)."""
     given = request.headers.get("authorization")
-    tenant = _state(request).api_keys.tenant_of(given)
+    tenant = _state(request).governance.tenants.tenant_of(given)
     if tenant is None:
         raise AuthenticationFailed(
             "Incorrect API key provided"
@@ -120,15 +130,39 @@ def serving(request: Request, _tenant: Annotated[str, Depends(authenticate)]) ->
 Serving = Annotated[ServingContext, Depends(serving)]
 
 
+def _governance(config: ServerConfig) -> Governance:
+    if config.tenants_file is not None:
+        return Governance(TenantsConfig.load(config.tenants_file), config.tenants_file)
+    if config.api_keys_file is not None:
+        return Governance(TenantsConfig.from_key_table(load_api_keys_file(config.api_keys_file)))
+    return Governance(TenantsConfig.open_config())
+
+
+def _reload_on_sighup(governance: Governance) -> None:
+    """``kill -HUP`` re-reads the tenants file (main thread only: a server on another thread,
+    as in tests, reloads through the admin endpoint)."""
+    if governance.tenants_file is None:
+        return
+
+    def reload() -> None:
+        try:
+            governance.reload()
+        except KVGateError as exc:
+            log.error("tenants file not reloaded, keeping the old one: %s", exc.message)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
 def build_app(
     config: ServerConfig,
     loader: EngineLoader,
     *,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else ApiKeys.open()
-    state = ServerState(config, api_keys)
+    state = ServerState(config, _governance(config))
     state.registry.register(EngineCollector(lambda: state.engine, config.served_model_name))
+    state.registry.register(TenantCollector(lambda: state.engine, state.governance))
     ProcessCollector(registry=state.registry)
     listener = PrometheusStatsListener(state.registry, config.served_model_name)
 
@@ -139,6 +173,7 @@ def build_app(
             target=_load, args=(state, loader, listener, on_load_error), name="kvgate-loader"
         )
         thread.start()
+        _reload_on_sighup(state.governance)
         try:
             yield
         finally:
@@ -149,6 +184,7 @@ def build_app(
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvgate = state
     install_error_handlers(app)
+    install_admin_routes(app)
     app.add_middleware(AccessLogMiddleware)
 
     @app.get("/health")

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
 from kvgate.engine.messages import TokenLogprobs
-from kvgate.engine.request import Request
-from kvgate.errors import InvalidRequest, KVGateError, RequestFailed
-from kvgate.server.access_log import AccessRecord, access_record
-from kvgate.server.errors import error_body, status_of
+from kvgate.engine.outputs import RequestOutput
+from kvgate.errors import InvalidRequest
+from kvgate.server.access_log import access_record
 from kvgate.server.generation import (
     ServingContext,
-    build_choices,
+    Tracker,
+    admit_choices,
     chat_logprobs,
-    run_merged,
-    usage,
+    collect_choices,
+    stream_choices,
 )
 from kvgate.server.protocol import ChatCompletionRequest
-from kvgate.server.streaming import SSE_DONE, EventStream, sse, unless_disconnected
+from kvgate.server.streaming import EventStream, unless_disconnected
 
 
 def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
@@ -42,6 +42,34 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+def _logprobs_field(
+    ctx: ServingContext, items: Sequence[TokenLogprobs], wanted: bool
+) -> dict[str, Any] | None:
+    return {"content": chat_logprobs(ctx.tokenizer, items)} if wanted else None
+
+
+class _ChatChunks:
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, ctx: ServingContext, want_logprobs: bool) -> None:
+        self.ctx = ctx
+        self.want_logprobs = want_logprobs
+
+    def opening(self, i: int) -> dict[str, Any] | None:
+        return _choice(i, {"role": "assistant", "content": ""})
+
+    def delta(self, i: int, out: RequestOutput) -> dict[str, Any]:
+        lp = _logprobs_field(self.ctx, out.logprobs, self.want_logprobs)
+        return _choice(i, {"content": out.text}, logprobs=lp)
+
+    def finish(self, i: int, out: RequestOutput) -> dict[str, Any]:
+        return _choice(i, {}, finish_reason=out.finish_reason)
+
+
+def _choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+
+
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, http: HttpRequest
 ) -> dict[str, Any] | EventStream:
@@ -51,116 +79,40 @@ async def create_chat_completion(
     prompt = _prompt_ids(ctx, body)
     record.prompt_tokens = len(prompt)
     n = body.n or 1
-    ctx.engine.check_capacity(n)
-    requests = build_choices(
+    requests, admission = admit_choices(
         ctx,
-        record.request_id,
+        http,
         [prompt],
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=_logprobs_setting(body),
     )
-    head = {
-        "id": f"chatcmpl-{record.request_id}",
-        "created": int(time.time()),
-        "model": ctx.served_model_name,
-    }
+    tracker = Tracker(record, admission, len(requests))
+    head = {"id": f"chatcmpl-{record.request_id}", "created": int(time.time()),
+            "model": ctx.served_model_name}  # fmt: skip
+    want_logprobs = requests[0].params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream(ctx, requests, head, record, include_usage))
-    return await unless_disconnected(http, _whole(ctx, requests, head, record))
-
-
-async def _whole(
-    ctx: ServingContext, requests: Sequence[Request], head: dict[str, Any], record: AccessRecord
-) -> dict[str, Any]:
-    start = time.perf_counter()
-    texts = [""] * len(requests)
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in requests]
-    reasons: list[str | None] = [None] * len(requests)
-    completion_tokens = cached = 0
-    async for i, out in run_merged(ctx.engine, requests):
-        if record.ttft_s is None and out.new_token_ids:
-            record.ttft_s = round(time.perf_counter() - start, 4)
-        texts[i] += out.text
-        logprobs[i].extend(out.logprobs)
-        if out.finished:
-            if out.finish_reason == "error":
-                raise RequestFailed(out.error or "generation failed")
-            reasons[i] = out.finish_reason
-            completion_tokens += out.num_output_tokens
-            cached = max(cached, out.num_cached_tokens)
-    record.completion_tokens = completion_tokens
-    record.cached_tokens = cached
-    record.finish_reason = ",".join(r or "" for r in reasons)
-    want_logprobs = requests[0].params.logprobs is not None
+        events = stream_choices(
+            ctx, requests, tracker, _ChatChunks(ctx, want_logprobs), head,
+            n=n, include_usage=include_usage,
+        )  # fmt: skip
+        return EventStream(events, on_close=admission.release)
+    try:
+        results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
+    finally:
+        admission.release()
     return {
         **head,
         "object": "chat.completion",
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": (
-                    {"content": chat_logprobs(ctx.tokenizer, logprobs[i])}
-                    if want_logprobs
-                    else None
-                ),
-                "finish_reason": reasons[i],
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": _logprobs_field(ctx, r.logprobs, want_logprobs),
+                "finish_reason": r.finish_reason,
             }
-            for i in range(len(requests))
+            for i, r in enumerate(results)
         ],
-        "usage": usage(requests[0].num_prompt_tokens, completion_tokens, cached),
+        "usage": tracker.usage(n),
     }
-
-
-async def _stream(
-    ctx: ServingContext,
-    requests: Sequence[Request],
-    head: dict[str, Any],
-    record: AccessRecord,
-    include_usage: bool,
-) -> AsyncGenerator[str, None]:
-    start = time.perf_counter()
-    want_logprobs = requests[0].params.logprobs is not None
-    extra = {"usage": None} if include_usage else {}
-
-    def chunk(index: int, delta: dict[str, Any], **fields: Any) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        choice.update(fields)
-        return sse({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
-
-    for i in range(len(requests)):
-        yield chunk(i, {"role": "assistant", "content": ""})
-    completion_tokens = cached = 0
-    reasons: list[str] = []
-    try:
-        async for i, out in run_merged(ctx.engine, requests):
-            if record.ttft_s is None and out.new_token_ids:
-                record.ttft_s = round(time.perf_counter() - start, 4)
-            if out.finished and out.finish_reason == "error":
-                raise RequestFailed(out.error or "generation failed")
-            if out.text or (want_logprobs and out.logprobs):
-                lp = (
-                    {"content": chat_logprobs(ctx.tokenizer, out.logprobs)}
-                    if want_logprobs
-                    else None
-                )
-                yield chunk(i, {"content": out.text}, logprobs=lp)
-            if out.finished:
-                yield chunk(i, {}, finish_reason=out.finish_reason)
-                reasons.append(out.finish_reason or "")
-                completion_tokens += out.num_output_tokens
-                cached = max(cached, out.num_cached_tokens)
-    except KVGateError as exc:  # headers are sent: the error travels as an event
-        record.error_code = exc.code
-        yield sse(error_body(exc.message, status_of(exc)[1], exc.code, exc.param))
-        yield SSE_DONE
-        return
-    record.completion_tokens = completion_tokens
-    record.cached_tokens = cached
-    record.finish_reason = ",".join(reasons)
-    if include_usage:
-        u = usage(requests[0].num_prompt_tokens, completion_tokens, cached)
-        yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
-    yield SSE_DONE

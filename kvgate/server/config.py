@@ -25,6 +25,10 @@ class ServerConfig:
     #: The name clients put in ``model``; defaults to the engine's ``model`` argument.
     served_model_name: str = "smollm2"
     api_keys_file: str | None = None
+    #: The tenants file (keys, priorities, quotas, limits); see governance/tenants.py.
+    tenants_file: str | None = None
+    #: "fair": tenant-aware scheduling (priority, fair share, quotas); "fifo": arrival order.
+    scheduling: str = "fair"
     #: Requests that may wait beyond the running batch before new ones get 503.
     max_queue_len: int = 256
     #: Where the JSON-lines access log goes: a file path, "-" for stderr, "" for nowhere.
@@ -37,6 +41,15 @@ class ServerConfig:
         if self.max_queue_len < 0:
             raise InvalidConfig(
                 f"max_queue_len must be >= 0, got {self.max_queue_len}", param="max_queue_len"
+            )
+        if self.scheduling not in ("fair", "fifo"):
+            raise InvalidConfig(
+                f"scheduling must be 'fair' or 'fifo', got {self.scheduling!r}", param="scheduling"
+            )
+        if self.tenants_file is not None and self.api_keys_file is not None:
+            raise InvalidConfig(
+                "give --tenants or --api-keys-file, not both (the tenants file holds the keys)",
+                param="tenants_file",
             )
         if not self.served_model_name:
             raise InvalidConfig("served_model_name must not be empty", param="served_model_name")

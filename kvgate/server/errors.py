@@ -17,10 +17,14 @@ from starlette.exceptions import HTTPException
 
 from kvgate.errors import (
     EngineDead,
+    InvalidConfig,
     InvalidRequest,
     KVGateError,
     Overloaded,
+    PermissionDenied,
+    QueueTimeout,
 )
+from kvgate.governance.admission import RateLimited
 
 log = logging.getLogger("kvgate.server")
 
@@ -54,10 +58,16 @@ def status_of(exc: KVGateError) -> tuple[int, str]:
         return 400, "invalid_request_error"
     if isinstance(exc, AuthenticationFailed):
         return 401, "authentication_error"
+    if isinstance(exc, PermissionDenied):
+        return 403, "permission_error"
     if isinstance(exc, ModelNotServed):
         return 404, "invalid_request_error"
-    if isinstance(exc, (Overloaded, ModelLoading, EngineDead)):
+    if isinstance(exc, RateLimited):
+        return 429, "rate_limit_error"
+    if isinstance(exc, (Overloaded, ModelLoading, EngineDead, QueueTimeout)):
         return 503, "server_error"
+    if isinstance(exc, InvalidConfig):
+        return 400, "invalid_request_error"
     return 500, "server_error"
 
 
@@ -72,6 +82,11 @@ def error_response(exc: KVGateError) -> JSONResponse:
     headers = {}
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(exc.retry_after)
+    elif isinstance(exc, RateLimited):
+        headers.update(exc.headers)
+        headers["Retry-After"] = str(exc.retry_after)
+    elif isinstance(exc, QueueTimeout):
+        headers["Retry-After"] = "1"
     elif isinstance(exc, ModelLoading):
         headers["Retry-After"] = "5"
     elif isinstance(exc, AuthenticationFailed):

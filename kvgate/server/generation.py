@@ -11,18 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from starlette.requests import Request as HttpRequest
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
-from kvgate.errors import InvalidRequest, PromptTooLong
+from kvgate.errors import InvalidRequest, KVGateError, PromptTooLong, QueueTimeout, RequestFailed
+from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.sampling_params import SamplingParams
-from kvgate.server.errors import ModelNotServed
+from kvgate.server.access_log import AccessRecord, access_record
+from kvgate.server.errors import ModelNotServed, error_body, status_of
+from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvgate.server.streaming import SSE_DONE, sse
 from kvgate.tokenizer import Tokenizer
 
 
@@ -30,6 +37,7 @@ from kvgate.tokenizer import Tokenizer
 class ServingContext:
     engine: AsyncLLM
     served_model_name: str
+    governance: Governance
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -83,6 +91,7 @@ def build_choices(
     *,
     max_tokens: int | None,
     logprobs: int | None,
+    context: RequestContext,
 ) -> list[Request]:
     """One engine request per (prompt, choice), choice index = prompt_index * n + j.
 
@@ -106,8 +115,61 @@ def build_choices(
                 seed=None if body.seed is None else body.seed + j,
             )
             engine_id = f"{request_id}-{p * n + j}-{next(ctx.ids)}"
-            requests.append(ctx.engine.engine.make_request(engine_id, prompt, params))
+            requests.append(
+                ctx.engine.engine.make_request(
+                    engine_id,
+                    prompt,
+                    params,
+                    cache_salt=context.cache_salt,
+                    tenant=context.tenant,
+                    deadline=context.deadline,
+                    queue_deadline=context.queue_deadline,
+                )
+            )
     return requests
+
+
+def admit_choices(
+    ctx: ServingContext,
+    http: HttpRequest,
+    prompts: Sequence[list[int]],
+    body: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> tuple[list[Request], Admission]:
+    """Build the request's choices and admit them against the server's and the tenant's
+    limits; every refusal is counted for the tenant under its code."""
+    record = access_record(http)
+    tenant = record.tenant or DEFAULT_TENANT
+    try:
+        ctx.engine.check_capacity((body.n or 1) * len(prompts))
+        timeout = body.timeout if body.timeout is not None else _header_timeout(http)
+        context = ctx.governance.context(tenant, timeout)
+        requests = build_choices(
+            ctx, record.request_id, prompts, body,
+            max_tokens=max_tokens, logprobs=logprobs, context=context,
+        )  # fmt: skip
+    except KVGateError as exc:
+        ctx.governance.count_refusal(tenant, exc.code)
+        raise
+    return requests, ctx.governance.admit(tenant, requests)
+
+
+def _header_timeout(http: HttpRequest) -> float | None:
+    raw = http.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InvalidRequest(
+            f"x-request-timeout must be a positive number of seconds, got {raw!r}",
+            param="x-request-timeout",
+        )
+    return value
 
 
 async def run_merged(
@@ -149,6 +211,136 @@ async def run_merged(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+# ------------------------------------------------------------------ running the choices
+
+
+@dataclass
+class ChoiceResult:
+    """One choice, whole: what a non-streamed response is built from."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+def check_finish(out: RequestOutput) -> None:
+    """Finish reasons that are failures of the request, raised as their errors."""
+    if out.finish_reason == "error":
+        raise RequestFailed(out.error or "generation failed")
+    if out.finish_reason == "queue_timeout":
+        raise QueueTimeout(
+            "the request waited longer than its tenant's max_queue_time and was not started; "
+            "retry later"
+        )
+
+
+class Tracker:
+    """Book-keeping shared by whole and streamed responses: time to first token for the
+    access log, tokens used per choice (admission refunds what was not), totals for usage."""
+
+    def __init__(self, record: AccessRecord, admission: Admission, num_choices: int) -> None:
+        self.record = record
+        self.admission = admission
+        self.start = time.perf_counter()
+        self.results = [ChoiceResult() for _ in range(num_choices)]
+
+    def on_output(self, i: int, out: RequestOutput) -> None:
+        if self.record.ttft_s is None and out.new_token_ids:
+            self.record.ttft_s = round(time.perf_counter() - self.start, 4)
+        result = self.results[i]
+        result.text += out.text
+        result.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.admission.used[i] = out.num_prompt_tokens + out.num_output_tokens
+            check_finish(out)
+            result.finish_reason = out.finish_reason
+            result.num_prompt_tokens = out.num_prompt_tokens
+            result.num_output_tokens = out.num_output_tokens
+            result.num_cached_tokens = out.num_cached_tokens
+
+    def usage(self, n: int) -> dict[str, Any]:
+        """Usage over all choices; each prompt counts once however many choices it has."""
+        firsts = self.results[::n]
+        u = usage(
+            sum(r.num_prompt_tokens for r in firsts),
+            sum(r.num_output_tokens for r in self.results),
+            sum(r.num_cached_tokens for r in firsts),
+        )
+        self.record.completion_tokens = u["completion_tokens"]
+        self.record.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+        self.record.finish_reason = ",".join(r.finish_reason or "" for r in self.results)
+        return u
+
+
+class ChunkRenderer(Protocol):
+    """How one API spells its stream: the opening chunks, a delta, a choice's end."""
+
+    object_name: str
+
+    def opening(self, i: int) -> dict[str, Any] | None: ...
+
+    def delta(self, i: int, out: RequestOutput) -> dict[str, Any]: ...
+
+    def finish(self, i: int, out: RequestOutput) -> dict[str, Any]: ...
+
+
+async def stream_choices(
+    ctx: ServingContext,
+    requests: Sequence[Request],
+    tracker: Tracker,
+    render: ChunkRenderer,
+    head: dict[str, Any],
+    *,
+    n: int,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    """SSE events of all choices: openings, deltas in order, a finish per choice, the usage
+    chunk when asked, ``[DONE]``. A failure after the headers went out is an error event."""
+    extra = {"usage": None} if include_usage else {}
+    want_logprobs = requests[0].params.logprobs is not None
+
+    def event(choice: dict[str, Any]) -> str:
+        return sse({**head, "object": render.object_name, "choices": [choice], **extra})
+
+    for i in range(len(requests)):
+        opening = render.opening(i)
+        if opening is not None:
+            yield event(opening)
+    try:
+        async for i, out in run_merged(ctx.engine, requests):
+            tracker.on_output(i, out)
+            if out.text or (want_logprobs and out.logprobs):
+                yield event(render.delta(i, out))
+            if out.finished:
+                yield event(render.finish(i, out))
+    except KVGateError as exc:  # headers are sent: the error travels as an event
+        tracker.record.error_code = exc.code
+        if isinstance(exc, QueueTimeout):
+            ctx.governance.count_refusal(requests[0].tenant, exc.code)
+        yield sse(error_body(exc.message, status_of(exc)[1], exc.code, exc.param))
+        yield SSE_DONE
+        return
+    u = tracker.usage(n)
+    if include_usage:
+        yield sse({**head, "object": render.object_name, "choices": [], "usage": u})
+    yield SSE_DONE
+
+
+async def collect_choices(
+    ctx: ServingContext, requests: Sequence[Request], tracker: Tracker
+) -> list[ChoiceResult]:
+    try:
+        async for i, out in run_merged(ctx.engine, requests):
+            tracker.on_output(i, out)
+    except QueueTimeout as exc:
+        ctx.governance.count_refusal(requests[0].tenant, exc.code)
+        raise
+    return tracker.results
 
 
 # ------------------------------------------------------------------ logprobs layouts

@@ -11,6 +11,7 @@ Two sources, one registry per app (no process-global registry):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.stats import IterationStats
+from kvgate.server.governance import Governance
 
 # Seconds. From a few ms (GPU decode) to many minutes (long CPU prefills behind a queue).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -91,6 +93,70 @@ class EngineCollector(Collector):
         blocks.add_metric([*labels, "cached"], cached)
         blocks.add_metric([*labels, "free"], pool.num_free_blocks - cached)
         yield blocks
+
+
+class TenantCollector(Collector):
+    """Per-tenant accounting (tenant label), read live at scrape time."""
+
+    def __init__(self, engine: Callable[[], LLMEngine | None], governance: Governance) -> None:
+        self._engine = engine
+        self._governance = governance
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._governance.report(self._engine())
+        tl = ("tenant",)
+
+        def family(
+            kind: type[CounterMetricFamily | GaugeMetricFamily],
+            name: str,
+            doc: str,
+            labels: tuple[str, ...] = tl,
+        ) -> Any:
+            return kind(name, doc, labels=labels)
+
+        prompt = family(CounterMetricFamily, "kvgate:tenant_prompt_tokens", "Prompt tokens served.")
+        gen = family(CounterMetricFamily, "kvgate:tenant_generation_tokens", "Tokens generated.")
+        block_s = family(
+            CounterMetricFamily,
+            "kvgate:tenant_kv_block_seconds",
+            "KV blocks held, integrated over time (block-seconds).",
+        )
+        held = family(GaugeMetricFamily, "kvgate:tenant_kv_blocks", "KV blocks held now.")
+        quota = family(
+            GaugeMetricFamily,
+            "kvgate:tenant_kv_quota_blocks",
+            "KV quota in blocks: the guaranteed share and the ceiling.",
+            (*tl, "kind"),
+        )
+        requests = family(
+            GaugeMetricFamily, "kvgate:tenant_requests", "Requests by state.", (*tl, "state")
+        )
+        refusals = family(
+            CounterMetricFamily,
+            "kvgate:tenant_refusals",
+            "Requests refused, by reason (the error code).",
+            (*tl, "reason"),
+        )
+        finished = family(
+            CounterMetricFamily,
+            "kvgate:tenant_requests_finished",
+            "Requests ended in the engine, by finish reason.",
+            (*tl, "reason"),
+        )
+        for tenant, row in report.items():
+            prompt.add_metric([tenant], row["prompt_tokens"])
+            gen.add_metric([tenant], row["generation_tokens"])
+            block_s.add_metric([tenant], row["kv_block_seconds"])
+            held.add_metric([tenant], row["kv_blocks_held"])
+            quota.add_metric([tenant, "guaranteed"], row["kv_guaranteed_blocks"])
+            quota.add_metric([tenant, "ceiling"], row["kv_ceiling_blocks"])
+            requests.add_metric([tenant, "running"], row["running"])
+            requests.add_metric([tenant, "waiting"], row["waiting"])
+            for reason, n in row["refusals"].items():
+                refusals.add_metric([tenant, reason], n)
+            for reason, n in row["finished"].items():
+                finished.add_metric([tenant, reason], n)
+        yield from (prompt, gen, block_s, held, quota, requests, refusals, finished)
 
 
 class PrometheusStatsListener:

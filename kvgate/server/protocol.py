@@ -56,6 +56,9 @@ class _SamplingFields(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    #: Seconds the request may take (kvgate): past it the request ends with what it has,
+    #: finish_reason "deadline". Capped by the tenant's max_deadline; also x-request-timeout.
+    timeout: Annotated[float, Field(gt=0)] | None = None
     # Extensions (vLLM's names).
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None

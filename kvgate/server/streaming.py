@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -30,19 +30,24 @@ class EventStream(StreamingResponse):
     that leaves mid-stream stops costing KV blocks now, not when the garbage collector runs.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+            if self._on_close is not None:
+                self._on_close()
 
 
 class ClientDisconnected(Exception):

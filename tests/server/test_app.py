@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.entrypoints.serve import engine_loader
 from kvgate.errors import ModelNotFound
@@ -32,9 +33,11 @@ def test_health_is_503_until_the_model_is_ready(tiny_llama_dir: Path) -> None:
     release = threading.Event()
     load = engine_loader(tiny_engine_config(tiny_llama_dir), max_queue_len=8)
 
-    def slow_loader(listeners: Sequence[StatsListener]) -> AsyncLLM:
+    def slow_loader(
+        listeners: Sequence[StatsListener], policy: SchedulingPolicy | None
+    ) -> AsyncLLM:
         release.wait(30)
-        return load(listeners)
+        return load(listeners, policy)
 
     app = build_app(ServerConfig(served_model_name="tiny"), slow_loader)
     with TestClient(app) as http:
@@ -54,7 +57,7 @@ def test_health_is_503_until_the_model_is_ready(tiny_llama_dir: Path) -> None:
 def test_a_model_that_fails_to_load_is_reported(tmp_path: Path) -> None:
     failures: list[BaseException] = []
 
-    def failing(_: Sequence[StatsListener]) -> AsyncLLM:
+    def failing(_: Sequence[StatsListener], __: SchedulingPolicy | None) -> AsyncLLM:
         raise ModelNotFound(f"no model at {tmp_path / 'nope'}", path=str(tmp_path / "nope"))
 
     app = build_app(ServerConfig(), failing, on_load_error=failures.append)

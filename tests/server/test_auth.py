@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvgate.errors import InvalidConfig
-from kvgate.server.auth import DEFAULT_TENANT, ApiKeys
+from kvgate.governance.tenants import DEFAULT_TENANT, TenantsConfig
+from kvgate.server.auth import load_api_keys_file
 
 
 def test_open_server_maps_everyone_to_the_default_tenant() -> None:
-    keys = ApiKeys.open()
-    assert not keys.enabled
+    keys = TenantsConfig.open_config()
+    assert keys.open
     assert keys.tenant_of(None) == DEFAULT_TENANT
     assert keys.tenant_of("Bearer anything") == DEFAULT_TENANT
 
@@ -24,7 +25,8 @@ def test_plain_and_hashed_keys(tmp_path: Path) -> None:
     path.write_text(
         f"# keys\nsk-alpha team-a\n\nsha256:{hashed} team-b  # stored hashed\nsk-solo\n"
     )
-    keys = ApiKeys.from_file(path)
+    table = load_api_keys_file(path)
+    keys = TenantsConfig.from_key_table(table)
     assert keys.tenant_of("Bearer sk-alpha") == "team-a"
     assert keys.tenant_of("bearer sk-beta") == "team-b"
     assert keys.tenant_of("Bearer sk-solo") == DEFAULT_TENANT
@@ -32,7 +34,7 @@ def test_plain_and_hashed_keys(tmp_path: Path) -> None:
     for header in (None, "", "Bearer ", "Bearer sk-wrong", f"Bearer {hashed}", "Basic sk-alpha"):
         assert keys.tenant_of(header) is None
     # Keys are not kept in the clear.
-    assert b"sk-alpha" not in repr(keys.tenants_by_digest).encode()
+    assert b"sk-alpha" not in repr(table).encode()
 
 
 @pytest.mark.parametrize(
@@ -47,10 +49,10 @@ def test_bad_files_are_refused_with_the_line(tmp_path: Path, content: str, messa
     path = tmp_path / "keys"
     path.write_text(content)
     with pytest.raises(InvalidConfig, match=message) as info:
-        ApiKeys.from_file(path)
+        load_api_keys_file(path)
     assert info.value.param == "api_keys_file"
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfig, match="cannot read api keys file"):
-        ApiKeys.from_file(tmp_path / "absent")
+        load_api_keys_file(tmp_path / "absent")

@@ -1,0 +1,1 @@
+"""Tenants: who may use what (tenants file), and admission before the engine."""

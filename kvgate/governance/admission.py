@@ -1,0 +1,181 @@
+"""Admission: refuse up front what cannot succeed, rate-limit what may.
+
+Runs on the server's event loop (one thread), before a request reaches the engine:
+
+- a request that can never fit its tenant's limits is refused with a code naming the limit
+  and its value: ``context_length_exceeded`` (max_context) or ``tenant_limit_exceeded``
+  (tokens_per_minute, kv_ceiling);
+- a tenant over its requests- or tokens-per-minute, or at its maximum concurrent requests,
+  gets ``rate_limit_exceeded`` (429) with Retry-After and ``x-ratelimit-*`` headers.
+
+Rates are token buckets refilled continuously: a bucket of ``limit`` per minute holds at most
+``limit``. Tokens are charged as prompt + max_tokens at admission; what a request did not use
+is given back when it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvgate.errors import KVGateError, PromptTooLong, TenantLimitExceeded
+from kvgate.governance.tenants import TenantSpec
+
+
+class RateLimited(KVGateError):
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))
+        self.headers = headers
+
+
+@dataclass
+class _Bucket:
+    limit: float  # per minute; also the capacity
+    level: float
+    stamp: float
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.limit, self.level + (now - self.stamp) * self.limit / 60.0)
+        self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (0 if it is)."""
+        return max(0.0, (amount - self.level) * 60.0 / self.limit)
+
+
+@dataclass
+class _TenantState:
+    in_flight: int = 0
+    requests: _Bucket | None = None
+    tokens: _Bucket | None = None
+
+
+@dataclass
+class Ticket:
+    """An admitted request's claim; ``release`` it exactly once, when the request ends."""
+
+    gate: TenantGate
+    tenant: str
+    charged_tokens: int
+    released: bool = field(default=False)
+
+    def release(self, used_tokens: int | None = None) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.gate._release(self, used_tokens)
+
+
+class TenantGate:
+    """Per-tenant admission state. ``block_size`` and ``num_blocks`` size the KV ceiling."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.clock = clock
+        self._state: dict[str, _TenantState] = {}
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._state.get(tenant)
+        return state.in_flight if state is not None else 0
+
+    def admit(self, spec: TenantSpec, prompt_tokens: int, max_tokens: int) -> Ticket:
+        """Admit one request (``n`` choices count as ``n`` calls) or raise."""
+        total = prompt_tokens + max_tokens
+        if spec.max_context is not None and total > spec.max_context:
+            raise PromptTooLong(prompt_tokens, max_tokens, spec.max_context)
+        share = spec.share(self.num_blocks)
+        blocks = -(-total // self.block_size)
+        if share.ceiling_blocks is not None and blocks > share.ceiling_blocks:
+            raise TenantLimitExceeded(
+                f"the request needs {blocks} KV blocks ({total} tokens) but tenant "
+                f"{spec.name!r} may hold at most kv_ceiling={share.ceiling_blocks} blocks",
+                limit="kv_ceiling",
+                value=share.ceiling_blocks,
+            )
+        if spec.tokens_per_minute is not None and total > spec.tokens_per_minute:
+            raise TenantLimitExceeded(
+                f"the request's {total} tokens (prompt + max_tokens) exceed tenant "
+                f"{spec.name!r}'s tokens_per_minute={spec.tokens_per_minute}",
+                limit="tokens_per_minute",
+                value=spec.tokens_per_minute,
+            )
+        now = self.clock()
+        state = self._state.setdefault(spec.name, _TenantState())
+        state.requests = _sync(state.requests, spec.requests_per_minute, now)
+        state.tokens = _sync(state.tokens, spec.tokens_per_minute, now)
+        headers = _headers(state)
+        if spec.max_concurrent is not None and state.in_flight >= spec.max_concurrent:
+            raise RateLimited(
+                f"tenant {spec.name!r} has max_concurrent={spec.max_concurrent} requests in "
+                "flight; retry when one finishes",
+                retry_after=1,
+                headers=headers,
+            )
+        waits = []
+        if state.requests is not None and state.requests.level < 1:
+            waits.append(
+                ("requests_per_minute", spec.requests_per_minute, state.requests.wait_for(1))
+            )
+        if state.tokens is not None and state.tokens.level < total:
+            waits.append(
+                ("tokens_per_minute", spec.tokens_per_minute, state.tokens.wait_for(total))
+            )
+        if waits:
+            limit, value, wait = max(waits, key=lambda w: w[2])
+            raise RateLimited(
+                f"tenant {spec.name!r} is over {limit}={value}; retry in {math.ceil(wait)} s",
+                retry_after=wait,
+                headers=headers,
+            )
+        if state.requests is not None:
+            state.requests.level -= 1
+        if state.tokens is not None:
+            state.tokens.level -= total
+        state.in_flight += 1
+        return Ticket(self, spec.name, total)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        """``x-ratelimit-*`` headers for a response to ``tenant``."""
+        state = self._state.get(tenant)
+        return _headers(state) if state is not None else {}
+
+    def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
+        state = self._state.get(ticket.tenant)
+        if state is None:
+            return
+        state.in_flight -= 1
+        if state.tokens is not None and used_tokens is not None:
+            unused = max(ticket.charged_tokens - used_tokens, 0)
+            state.tokens.refill(self.clock())
+            state.tokens.level = min(state.tokens.limit, state.tokens.level + unused)
+
+
+def _sync(bucket: _Bucket | None, limit: int | None, now: float) -> _Bucket | None:
+    """The bucket for the tenant's current limit (a reload may have changed it), refilled."""
+    if limit is None:
+        return None
+    if bucket is None or bucket.limit != limit:
+        level = limit if bucket is None else min(bucket.level, limit)
+        bucket = _Bucket(float(limit), float(level), now)
+    bucket.refill(now)
+    return bucket
+
+
+def _headers(state: _TenantState) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
+        if bucket is None:
+            continue
+        out[f"x-ratelimit-limit-{name}"] = str(int(bucket.limit))
+        out[f"x-ratelimit-remaining-{name}"] = str(max(int(bucket.level), 0))
+        reset = (bucket.limit - bucket.level) * 60.0 / bucket.limit
+        out[f"x-ratelimit-reset-{name}"] = f"{max(reset, 0.0):.1f}s"
+    return out

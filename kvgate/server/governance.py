@@ -1,0 +1,171 @@
+"""The server's side of tenant governance: who the caller is, what its request may use, and
+the refusals counted by reason. The scheduling itself happens in the engine's policy.
+
+A reload (SIGHUP or ``POST /admin/reload``) swaps the tenants config atomically: requests
+already admitted keep running; an invalid file is refused with its error and the old config
+stays in force.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.policy import TenantFairPolicy, TenantShare
+from kvgate.engine.request import Request
+from kvgate.errors import InvalidConfig, KVGateError
+from kvgate.governance.admission import TenantGate, Ticket
+from kvgate.governance.tenants import TenantsConfig, TenantSpec
+
+log = logging.getLogger("kvgate.server")
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Per-request governance fields handed to the engine with each choice."""
+
+    tenant: str = "default"
+    cache_salt: bytes | None = None
+    deadline: float | None = None  # time.monotonic()
+    queue_deadline: float | None = None
+
+
+@dataclass
+class Admission:
+    """Tickets of one HTTP request's choices; ``release`` once it is over (idempotent)."""
+
+    tickets: list[Ticket]
+    #: Tokens each choice used (prompt + output); what it did not use is given back.
+    used: dict[int, int] = field(default_factory=dict)
+
+    def release(self) -> None:
+        for i, ticket in enumerate(self.tickets):
+            ticket.release(self.used.get(i))
+
+
+class Governance:
+    def __init__(self, tenants: TenantsConfig, tenants_file: str | None = None) -> None:
+        self.tenants = tenants
+        self.tenants_file = tenants_file
+        self.gate: TenantGate | None = None
+        self.policy: TenantFairPolicy | None = None
+        self._apply_policy: Callable[[Callable[[], None]], None] | None = None
+        self.num_blocks = 0
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()  # reload may come from a signal handler's thread
+
+    def attach(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: TenantFairPolicy | None,
+        run_in_engine: Callable[[Callable[[], None]], None],
+    ) -> None:
+        """The engine is ready: size quotas against its pool and hand the policy its shares."""
+        self.num_blocks = num_blocks
+        self.gate = TenantGate(num_blocks, block_size)
+        self.policy = policy
+        self._apply_policy = run_in_engine
+        self._push_shares(self.tenants)
+
+    def spec(self, tenant: str) -> TenantSpec:
+        return self.tenants.spec(tenant)
+
+    def context(self, tenant: str, timeout: float | None) -> RequestContext:
+        spec = self.spec(tenant)
+        now = time.monotonic()
+        limit = spec.deadline_seconds(timeout)
+        return RequestContext(
+            tenant=tenant,
+            cache_salt=spec.cache_salt,
+            deadline=None if limit is None else now + limit,
+            queue_deadline=None if spec.max_queue_time is None else now + spec.max_queue_time,
+        )
+
+    def admit(self, tenant: str, requests: Sequence[Request]) -> Admission:
+        """Admit every choice or none (raises the refusal, counted by its code)."""
+        assert self.gate is not None, "admission before the engine is ready"
+        spec = self.spec(tenant)
+        tickets: list[Ticket] = []
+        try:
+            for r in requests:
+                tickets.append(self.gate.admit(spec, r.num_prompt_tokens, r.params.max_tokens))
+        except KVGateError as exc:
+            for t in tickets:
+                t.release()
+            self.count_refusal(tenant, exc.code)
+            raise
+        return Admission(tickets)
+
+    def count_refusal(self, tenant: str, reason: str) -> None:
+        self.refusals[(tenant, reason)] += 1
+
+    def reload(self) -> TenantsConfig:
+        """Re-read the tenants file; raises ``InvalidConfig`` (old config kept) when invalid."""
+        if self.tenants_file is None:
+            raise InvalidConfig("no tenants file to reload (start with --tenants FILE)")
+        with self._lock:
+            new = TenantsConfig.load(self.tenants_file)
+            self.tenants = new
+            self._push_shares(new)
+        log.info("tenants reloaded from %s: %s", self.tenants_file, ", ".join(sorted(new.tenants)))
+        return new
+
+    def report(self, engine: LLMEngine | None) -> dict[str, dict[str, Any]]:
+        """Per-tenant accounting and quota use (for /admin/tenants and /metrics).
+
+        Read from the server thread while the engine runs: each figure is a plain read of a
+        counter the engine thread updates, so a report is a near-instant snapshot.
+        """
+        tenants = self.tenants
+        names = set(tenants.tenants) | {t for t, _ in self.refusals}
+        blocks: dict[str, int] = {}
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        ledger = None
+        if engine is not None:
+            ledger = engine.ledger
+            blocks = dict(engine.kv_cache.tenant_blocks)
+            running.update(r.tenant for r in list(engine.scheduler.running))
+            waiting.update(r.tenant for r in engine.scheduler.waiting)
+            names |= set(blocks) | set(ledger.prompt_tokens) | set(running) | set(waiting)
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted(names):
+            spec = tenants.spec(name)
+            share = spec.share(self.num_blocks)
+            refusals = {r: n for (t, r), n in list(self.refusals.items()) if t == name}
+            finished = (
+                {r: n for (t, r), n in list(ledger.finished.items()) if t == name} if ledger else {}
+            )
+            out[name] = {
+                "priority": spec.priority,
+                "weight": spec.weight,
+                "kv_blocks_held": blocks.get(name, 0),
+                "kv_guaranteed_blocks": share.guaranteed_blocks,
+                "kv_ceiling_blocks": (
+                    share.ceiling_blocks if share.ceiling_blocks is not None else self.num_blocks
+                ),
+                "running": running[name],
+                "waiting": waiting[name],
+                "in_flight": self.gate.in_flight(name) if self.gate is not None else 0,
+                "prompt_tokens": ledger.prompt_tokens[name] if ledger else 0,
+                "generation_tokens": ledger.generation_tokens[name] if ledger else 0,
+                "kv_block_seconds": round(ledger.block_seconds.get(name, 0.0), 3) if ledger else 0,
+                "finished": finished,
+                "refusals": refusals,
+            }
+        return out
+
+    def _push_shares(self, tenants: TenantsConfig) -> None:
+        policy, run = self.policy, self._apply_policy
+        if policy is None or run is None:
+            return
+        shares = tenants.shares(self.num_blocks)
+        default = TenantShare()
+        run(lambda: policy.update(shares, default))
