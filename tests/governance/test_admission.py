@@ -1,0 +1,78 @@
+"""Admission: limits a request can never fit, rate limits with Retry-After, refunds."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.errors import PromptTooLong, TenantLimitExceeded
+from kvgate.governance.admission import RateLimited, TenantGate
+from kvgate.governance.tenants import TenantSpec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate(clock: Clock) -> TenantGate:
+    return TenantGate(num_blocks=100, block_size=16, clock=clock)
+
+
+def test_limits_that_can_never_be_met_are_refused_with_their_values() -> None:
+    g = gate(Clock())
+    with pytest.raises(PromptTooLong) as ctx:
+        g.admit(TenantSpec("a", max_context=1000), prompt_tokens=900, max_tokens=200)
+    assert ctx.value.code == "context_length_exceeded" and "1000" in ctx.value.message
+    with pytest.raises(TenantLimitExceeded) as lim:
+        g.admit(TenantSpec("a", kv_ceiling=0.1), prompt_tokens=150, max_tokens=20)  # 11 > 10
+    assert (lim.value.code, lim.value.param, lim.value.value) == (
+        "tenant_limit_exceeded", "kv_ceiling", 10,
+    )  # fmt: skip
+    with pytest.raises(TenantLimitExceeded) as tpm:
+        g.admit(TenantSpec("a", tokens_per_minute=100), prompt_tokens=90, max_tokens=20)
+    assert tpm.value.param == "tokens_per_minute"
+    assert g.in_flight("a") == 0
+
+
+def test_requests_per_minute_refill_continuously() -> None:
+    clock = Clock()
+    g = gate(clock)
+    spec = TenantSpec("a", requests_per_minute=2)
+    g.admit(spec, 10, 10).release()
+    g.admit(spec, 10, 10).release()
+    with pytest.raises(RateLimited) as info:
+        g.admit(spec, 10, 10)
+    assert info.value.code == "rate_limit_exceeded" and info.value.retry_after == 30
+    assert info.value.headers["x-ratelimit-limit-requests"] == "2"
+    assert info.value.headers["x-ratelimit-remaining-requests"] == "0"
+    clock.now += 30  # one request's worth refilled
+    g.admit(spec, 10, 10)
+
+
+def test_tokens_per_minute_refund_what_was_not_used() -> None:
+    clock = Clock()
+    g = gate(clock)
+    spec = TenantSpec("a", tokens_per_minute=1000)
+    first = g.admit(spec, prompt_tokens=100, max_tokens=500)  # charged 600
+    with pytest.raises(RateLimited) as info:
+        g.admit(spec, prompt_tokens=100, max_tokens=400)  # 500 > 400 left
+    assert "tokens_per_minute" in info.value.message
+    first.release(used_tokens=150)  # 450 back
+    g.admit(spec, prompt_tokens=100, max_tokens=400)
+
+
+def test_max_concurrent() -> None:
+    g = gate(Clock())
+    spec = TenantSpec("a", max_concurrent=2)
+    one, two = g.admit(spec, 1, 1), g.admit(spec, 1, 1)
+    with pytest.raises(RateLimited, match="max_concurrent=2"):
+        g.admit(spec, 1, 1)
+    one.release()
+    one.release()  # releasing twice is harmless
+    g.admit(spec, 1, 1)
+    assert g.in_flight("a") == 2
+    two.release()
+    assert g.in_flight("a") == 1

@@ -1,0 +1,87 @@
+"""The tenants file: parsed into specs and hashed keys; every mistake named with its place."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from kvgate.errors import InvalidConfig
+from kvgate.governance.tenants import TenantsConfig
+
+GOOD = """
+admin_keys = ["sk-admin"]
+
+[tenants.search]
+keys = ["sk-search", "sha256:{hashed}"]
+priority = "critical"
+weight = 4
+kv_guaranteed = 0.25
+kv_ceiling = 0.5
+requests_per_minute = 60
+max_context = 2048
+max_queue_time = 5
+default_deadline = 30
+max_deadline = 60
+
+[tenants.batch]
+keys = ["sk-batch"]
+priority = "batch"
+prefix_isolation = false
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "tenants.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_valid_file(tmp_path: Path) -> None:
+    hashed = hashlib.sha256(b"sk-search-2").hexdigest()
+    config = TenantsConfig.load(write(tmp_path, GOOD.format(hashed=hashed)))
+    assert config.tenant_of("Bearer sk-search") == "search"
+    assert config.tenant_of("Bearer sk-search-2") == "search"
+    assert config.tenant_of("Bearer sk-batch") == "batch"
+    assert config.tenant_of("Bearer sk-admin") is None  # an admin key is not a tenant key
+    assert config.tenant_of("Bearer nope") is None and config.tenant_of(None) is None
+    assert config.is_admin("Bearer sk-admin") and not config.is_admin("Bearer sk-search")
+    search = config.spec("search")
+    share = search.share(num_blocks=1000)
+    assert (share.priority, share.weight, share.guaranteed_blocks, share.ceiling_blocks) == (
+        0, 4.0, 250, 500,
+    )  # fmt: skip
+    assert search.deadline_seconds(None) == 30 and search.deadline_seconds(500) == 60
+    assert search.cache_salt is not None and config.spec("batch").cache_salt is None
+    assert b"sk-search" not in repr(config.keys).encode()
+
+
+def test_yaml_works_too(tmp_path: Path) -> None:
+    text = "tenants:\n  a:\n    keys: [sk-a]\n    weight: 2\n"
+    config = TenantsConfig.load(write(tmp_path, text, "tenants.yaml"))
+    assert config.spec("a").weight == 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[tenants.a]\nkeys = ['k']\nwieght = 2\n", "tenants.a: unknown setting 'wieght'"),
+        ("[tenants.a]\nkeys = ['k']\npriority = 'urgent'\n", "priority must be one of"),
+        ("[tenants.a]\nkeys = ['k']\nrequests_per_minute = 0\n", "must be a positive integer"),
+        ("[tenants.a]\nkeys = ['k']\nkv_guaranteed = 0.6\nkv_ceiling = 0.5\n", "kv_guaranteed"),
+        (
+            "[tenants.a]\nkeys = ['k']\nkv_guaranteed = 0.6\n"
+            "[tenants.b]\nkeys = ['j']\nkv_guaranteed = 0.6\n",
+            "add up to 1.20",
+        ),
+        ("[tenants.a]\nkeys = ['k']\n[tenants.b]\nkeys = ['k']\n", "already the key of tenant"),
+        ("[tenants.a]\nkeys = ['sha256:xyz']\n", "64 hex digits"),
+        ("[tenants.a]\nweight = 1\n", "no tenant has any key"),
+        ("tenant = 1\n", "unknown top-level"),
+        ("[tenants.a\n", "is not valid"),
+    ],
+)
+def test_mistakes_are_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        TenantsConfig.load(write(tmp_path, text))
