@@ -84,12 +84,12 @@ def wait_healthy(server: Server, timeout: float = 300) -> None:
     raise RuntimeError(f"{server.name} did not become healthy")
 
 
-def start_kvgate(port: int, threads: int, max_seqs: int) -> Server:
+def start_kvgate(port: int, threads: int, max_seqs: int, *extra: str) -> Server:
     cmd = [
         sys.executable, "-m", "kvgate.entrypoints.cli", "serve",
         "--port", str(port), "--threads", str(threads), "--max-num-seqs", str(max_seqs),
         "--kv-cache-memory", "2GiB", "--max-queue-len", "4096", "--access-log", "",
-        "--log-level", "warning",
+        "--log-level", "warning", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     return Server("kvgate", f"http://127.0.0.1:{port}", proc)
@@ -131,7 +131,13 @@ def make_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[str]:
     return prompts
 
 
-async def one_request(http: httpx.AsyncClient, url: str, prompt: str, output_len: int) -> Result:
+async def one_request(
+    http: httpx.AsyncClient,
+    url: str,
+    prompt: str,
+    output_len: int,
+    headers: dict[str, str] | None = None,
+) -> Result:
     body = {
         "prompt": prompt,
         "max_tokens": output_len,
@@ -144,7 +150,7 @@ async def one_request(http: httpx.AsyncClient, url: str, prompt: str, output_len
     last = start
     res = Result(ok=False)
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res

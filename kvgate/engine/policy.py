@@ -59,7 +59,8 @@ class SchedulingPolicy(Protocol):
         ...
 
     def running_order(self, running: Sequence[Request]) -> list[Request]:
-        """Running requests in the order they get this step's budget."""
+        """Running requests that get this step's budget, in order (once per step, first).
+        Requests left out wait this step without losing their place."""
         ...
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
@@ -178,6 +179,9 @@ class TenantFairPolicy:
         self._counter = itertools.count()
         self.vtime: dict[str, float] = {}
         self._active: dict[str, int] = {}  # tenant -> unfinished requests
+        # The tenant whose first prefill has this step to itself (see running_order).
+        self._exclusive: str | None = None
+        self._exclusive_last_step = False
 
     def update(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
         """New shares (a reloaded tenants file); queued and running requests keep their place."""
@@ -217,19 +221,62 @@ class TenantFairPolicy:
 
     def pick(self, blocked: set[str]) -> Request | None:
         best: Request | None = None
-        best_key: tuple[int, float, int] | None = None
+        best_key: tuple[int, float, int, int] | None = None
         for tenant, queue in self._queues.items():
-            if tenant in blocked:
+            if tenant in blocked or (self._exclusive is not None and tenant != self._exclusive):
                 continue
             head = queue[0]
-            key = (self.share(tenant).priority, self.vtime.get(tenant, 0.0), self._order(head))
+            # Equal virtual times (a tenant just back from idle starts level with the busiest):
+            # the tenant with less outstanding work goes first.
+            key = (
+                self.share(tenant).priority,
+                self.vtime.get(tenant, 0.0),
+                self._active.get(tenant, 0),
+                self._order(head),
+            )
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
 
     # ------------------------------------------------------------------ entitlement
     def running_order(self, running: Sequence[Request]) -> list[Request]:
-        return sorted(running, key=lambda r: self.share(r.tenant).priority)  # stable
+        """By priority; but a tenant back from idle gets its first prefill in a step of its own.
+
+        A quiet tenant's time to first token is what it feels: a step it shares with a full
+        batch of another tenant's decodes takes several times longer than its prefill alone.
+        So when a tenant with nothing running has a request waiting and is entitled to go
+        first (no lower class, no higher virtual time than anyone running), the running
+        requests of its class and below sit out one step. Never two steps in a row, so a
+        stream of newcomers cannot starve running work.
+        """
+        ordered = sorted(running, key=lambda r: self.share(r.tenant).priority)  # stable
+        self._exclusive = None
+        if self._exclusive_last_step:
+            self._exclusive_last_step = False
+            return ordered
+        newcomer = self._returning_tenant(ordered)
+        if newcomer is None:
+            return ordered
+        self._exclusive = newcomer
+        self._exclusive_last_step = True
+        priority = self.share(newcomer).priority
+        return [r for r in ordered if self.share(r.tenant).priority < priority]
+
+    def _returning_tenant(self, running: Sequence[Request]) -> str | None:
+        if not running:
+            return None
+        busy = {r.tenant for r in running}
+        floor = min(self.vtime.get(t, 0.0) for t in busy)
+        top = min(self.share(t).priority for t in busy)
+        best: tuple[int, float, int] | None = None
+        found = None
+        for tenant, queue in self._queues.items():
+            if tenant in busy or queue[0].num_preemptions:
+                continue  # only a tenant with nothing running, not a preempted request
+            key = (self.share(tenant).priority, self.vtime.get(tenant, 0.0), self._order(queue[0]))
+            if key[0] <= top and key[1] <= floor and (best is None or key < best):
+                best, found = key, tenant
+        return found
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
         ceiling = self.share(tenant).ceiling_blocks

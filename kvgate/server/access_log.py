@@ -34,6 +34,10 @@ class AccessRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     ttft_s: float | None = None
+    #: The engine's timeline of the (first) choice: queued, prefilling, decoding.
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
     finish_reason: str | None = None
     error_code: str | None = None
 

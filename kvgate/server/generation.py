@@ -257,6 +257,10 @@ class Tracker:
         result.logprobs.extend(out.logprobs)
         if out.finished:
             self.admission.used[i] = out.num_prompt_tokens + out.num_output_tokens
+            if out.metrics is not None and self.record.queue_s is None:
+                self.record.queue_s = round(out.metrics.queue_seconds, 4)
+                self.record.prefill_s = round(out.metrics.prefill_seconds, 4)
+                self.record.decode_s = round(out.metrics.decode_seconds, 4)
             check_finish(out)
             result.finish_reason = out.finish_reason
             result.num_prompt_tokens = out.num_prompt_tokens

@@ -225,3 +225,20 @@ def test_queue_timeout_and_deadline() -> None:
     assert late.request_id == "runs" and late.status == RequestStatus.FINISHED_DEADLINE
     assert late.num_output_tokens == 2  # ends with what it had
     assert sched.kv_cache.pool.num_used_blocks == 0 and not sched.num_unfinished
+
+
+def test_a_tenant_back_from_idle_gets_its_first_prefill_step_to_itself() -> None:
+    policy = fair({"busy": TenantShare(), "quiet": TenantShare(), "other": TenantShare()})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
+    runner = FakeRunner()
+    for i in range(4):
+        sched.add_request(req(f"b{i}", "busy", max_tokens=50))
+    for _ in range(3):
+        step(sched, runner)
+    sched.add_request(req("q", "quiet", max_tokens=5))
+    sched.add_request(req("o", "other", max_tokens=5))
+    out = sched.schedule()
+    assert [s.request_id for s in out.sequences] == ["q"]  # busy's decodes sit out one step
+    sched.update(out, runner.execute(out))
+    out = sched.schedule()  # never two such steps in a row: everyone runs, "o" joins now
+    assert {s.request_id for s in out.sequences} == {"b0", "b1", "b2", "b3", "q", "o"}

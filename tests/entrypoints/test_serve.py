@@ -61,3 +61,44 @@ def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "failed to load" in out and "missing" in out
     assert "Traceback" not in out
+
+
+def test_sighup_reloads_the_tenants_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.a]\nkeys = ["sk-a"]\n')
+    proc = _serve(
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
+        "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--tenants", str(tenants),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def status(key: str) -> int:
+        return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert (status("sk-a"), status("sk-b")) == (200, 401)
+        tenants.write_text('[tenants.a]\nkeys = ["sk-a"]\n[tenants.b]\nkeys = ["sk-b"]\n')
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while status("sk-b") != 200:
+            assert time.monotonic() < deadline, "SIGHUP did not reload the tenants file"
+            time.sleep(0.1)
+        tenants.write_text("not = [valid\n")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert (status("sk-a"), status("sk-b")) == (200, 200)  # a bad file keeps the old one
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert "tenants reloaded" in out and "keeping the old one" in out
