@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvgate.engine.request import Request
@@ -32,6 +32,8 @@ class KVCacheManager:
         #: Blocks held by each tenant's requests (a block shared by two requests counts twice):
         #: what KV quotas are measured against.
         self.tenant_blocks: dict[str, int] = {}
+        self.tenant_prefix_queries: dict[str, int] = {}
+        self.tenant_prefix_hits: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -72,10 +74,22 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(self, tenant: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not every retry while it waits for blocks)."""
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
+        q, h = self.tenant_prefix_queries, self.tenant_prefix_hits
+        q[tenant] = q.get(tenant, 0) + num_tokens
+        h[tenant] = h.get(tenant, 0) + num_hit_tokens
+
+    def fragmentation(self, requests: Iterable[Request]) -> float:
+        """Reserved but unfilled KV slots over reserved slots, over ``requests`` (running)."""
+        reserved = filled = 0
+        for r in requests:
+            slots = len(self.req_blocks.get(r.request_id, ())) * self.block_size
+            reserved += slots
+            filled += min(r.num_computed_tokens, slots)
+        return (reserved - filled) / reserved if reserved else 0.0
 
     def num_blocks_to_add(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
@@ -116,6 +130,7 @@ class KVCacheManager:
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
         if len(blocks) != held_before:
+            request.peak_kv_blocks = max(request.peak_kv_blocks, len(blocks))
             tb = self.tenant_blocks
             tb[request.tenant] = tb.get(request.tenant, 0) + len(blocks) - held_before
         self._cache_full_blocks(request, num_computed + num_new_tokens)

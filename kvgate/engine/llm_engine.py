@@ -269,6 +269,15 @@ class LLMEngine:
             self._aborted.append(self._final_output(request))
         sched = self.scheduler.schedule()
         self.last_batch_size = stats.batch_size = len(sched.sequences)
+        decodes = sum(1 for s in sched.sequences if s.num_tokens == 1)
+        if sched.sequences:
+            stats.phase = (
+                "decode"
+                if decodes == len(sched.sequences)
+                else "prefill"
+                if not decodes
+                else "mixed"
+            )
         stats.num_batched_tokens = sched.num_batched_tokens
         try:
             runner_out = self.runner.execute(sched)

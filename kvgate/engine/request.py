@@ -85,6 +85,8 @@ class Request:
         #: Prompt tokens served from the prefix cache the first time this request was scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        #: Most KV blocks the request held at once (its memory footprint, for the profile).
+        self.peak_kv_blocks = 0
         #: The stop string or stop token id that ended the request, if any.
         self.stop_reason: str | int | None = None
         self.error: str | None = None

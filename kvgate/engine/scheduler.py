@@ -57,6 +57,9 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
+        #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
+        #: ceiling), "slot" (max_num_seqs, for a request of a higher class).
+        self.preemptions_by_reason: dict[str, int] = {}
 
     @property
     def waiting(self) -> SchedulingPolicy:
@@ -126,8 +129,11 @@ class Scheduler:
         preempted: list[str] = []
         kv, policy = self.kv_cache, self.policy
 
-        def preempt(victim: Request) -> None:
+        def preempt(victim: Request, need: Need) -> None:
             nonlocal budget
+            self.preemptions_by_reason[need.value] = (
+                self.preemptions_by_reason.get(need.value, 0) + 1
+            )
             seq = scheduled.pop(victim.request_id, None)
             if seq is not None:  # scheduled earlier in this step: give its budget back
                 budget += seq.num_tokens
@@ -162,7 +168,7 @@ class Scheduler:
                     request, self.running, kv.tenant_blocks, need or Need.POOL, admitting=False
                 )
                 assert victim is not None and victim.status == RequestStatus.RUNNING
-                preempt(victim)
+                preempt(victim, need or Need.POOL)
                 grew_by_preempting = True
                 if victim is request:
                     break
@@ -187,7 +193,7 @@ class Scheduler:
                 )
                 if victim is None:
                     break
-                preempt(victim)
+                preempt(victim, Need.SLOT)
                 continue
             hits, num_hit_tokens = kv.get_computed_blocks(candidate)
             num_new = min(candidate.num_tokens - num_hit_tokens, budget)
@@ -201,7 +207,7 @@ class Scheduler:
                 candidate, self.running, kv.tenant_blocks, need or Need.POOL, admitting=True
             )
             if victim is not None:
-                preempt(victim)
+                preempt(victim, need or Need.POOL)
             elif need is Need.QUOTA:
                 blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
             else:
@@ -222,7 +228,7 @@ class Scheduler:
         self, request: Request, num_hit_tokens: int, new_requests: list[NewRequestData]
     ) -> None:
         self.policy.remove(request)
-        self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        self.kv_cache.record_prefix_lookup(request.tenant, request.num_tokens, num_hit_tokens)
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens

@@ -28,6 +28,7 @@ class RequestMetrics:
     decode_seconds: float
     e2e_seconds: float
     num_preemptions: int
+    peak_kv_blocks: int = 0
 
     @classmethod
     def of(cls, request: Request, now: float) -> RequestMetrics:
@@ -43,6 +44,7 @@ class RequestMetrics:
             decode_seconds=max(end - first_token, 0.0) if first_token is not None else 0.0,
             e2e_seconds=max(end - request.arrival_time, 0.0),
             num_preemptions=request.num_preemptions,
+            peak_kv_blocks=request.peak_kv_blocks,
         )
 
 
@@ -68,6 +70,8 @@ class IterationStats:
     #: Sequences in the step's batch and tokens the model ran over.
     batch_size: int = 0
     num_batched_tokens: int = 0
+    #: "prefill" (only prompt chunks), "decode" (only one-token decodes), "mixed", or "idle".
+    phase: str = "idle"
     prompt_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     generation_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     time_to_first_tokens: list[float] = field(default_factory=list)

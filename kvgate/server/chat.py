@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
 
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
@@ -18,6 +19,7 @@ from kvgate.server.generation import (
     admit_choices,
     chat_logprobs,
     collect_choices,
+    profile_headers,
     stream_choices,
 )
 from kvgate.server.protocol import ChatCompletionRequest
@@ -72,7 +74,7 @@ def _choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, http: HttpRequest
-) -> dict[str, Any] | EventStream:
+) -> JSONResponse | EventStream:
     ctx.check_model(body.model)
     record = access_record(http)
     record.model = ctx.served_model_name
@@ -102,7 +104,7 @@ async def create_chat_completion(
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
     finally:
         admission.release()
-    return {
+    response = {
         **head,
         "object": "chat.completion",
         "choices": [
@@ -116,3 +118,4 @@ async def create_chat_completion(
         ],
         "usage": tracker.usage(n),
     }
+    return JSONResponse(response, headers=profile_headers(tracker.profile()))

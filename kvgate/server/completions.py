@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
 
 from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
@@ -17,6 +18,7 @@ from kvgate.server.generation import (
     admit_choices,
     collect_choices,
     completion_logprobs,
+    profile_headers,
     stream_choices,
 )
 from kvgate.server.protocol import CompletionRequest
@@ -75,7 +77,7 @@ def _choice(index: int, text: str, **fields: Any) -> dict[str, Any]:
 
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, http: HttpRequest
-) -> dict[str, Any] | EventStream:
+) -> JSONResponse | EventStream:
     ctx.check_model(body.model)
     _check_unsupported(body)
     record = access_record(http)
@@ -107,7 +109,7 @@ async def create_completion(
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
     finally:
         admission.release()
-    return {
+    response = {
         **head,
         "object": "text_completion",
         "choices": [
@@ -125,3 +127,4 @@ async def create_completion(
         ],
         "usage": tracker.usage(n),
     }
+    return JSONResponse(response, headers=profile_headers(tracker.profile()))

@@ -22,6 +22,7 @@ from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
+from kvgate.engine.stats import RequestMetrics
 from kvgate.errors import InvalidRequest, KVGateError, PromptTooLong, QueueTimeout, RequestFailed
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.sampling_params import SamplingParams
@@ -226,6 +227,7 @@ class ChoiceResult:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 def check_finish(out: RequestOutput) -> None:
@@ -266,6 +268,10 @@ class Tracker:
             result.num_prompt_tokens = out.num_prompt_tokens
             result.num_output_tokens = out.num_output_tokens
             result.num_cached_tokens = out.num_cached_tokens
+            result.metrics = out.metrics
+
+    def profile(self) -> dict[str, Any]:
+        return profile_of(self.results)
 
     def usage(self, n: int) -> dict[str, Any]:
         """Usage over all choices; each prompt counts once however many choices it has."""
@@ -275,10 +281,35 @@ class Tracker:
             sum(r.num_output_tokens for r in self.results),
             sum(r.num_cached_tokens for r in firsts),
         )
+        u["profile"] = self.profile()
         self.record.completion_tokens = u["completion_tokens"]
         self.record.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
         self.record.finish_reason = ",".join(r.finish_reason or "" for r in self.results)
         return u
+
+
+PROFILE_HEADERS = {
+    "queue_seconds": "x-kvgate-queue-seconds",
+    "prefill_seconds": "x-kvgate-prefill-seconds",
+    "decode_seconds": "x-kvgate-decode-seconds",
+    "peak_kv_blocks": "x-kvgate-peak-kv-blocks",
+}
+
+
+def profile_of(results: Sequence[ChoiceResult]) -> dict[str, Any]:
+    """Where the request's time and memory went (kvgate's documented ``usage.profile``):
+    the slowest choice's queue, prefill and decode seconds; KV blocks at peak, all choices."""
+    metrics = [r.metrics for r in results if r.metrics is not None]
+    return {
+        "queue_seconds": round(max((m.queue_seconds for m in metrics), default=0.0), 4),
+        "prefill_seconds": round(max((m.prefill_seconds for m in metrics), default=0.0), 4),
+        "decode_seconds": round(max((m.decode_seconds for m in metrics), default=0.0), 4),
+        "peak_kv_blocks": sum(m.peak_kv_blocks for m in metrics),
+    }
+
+
+def profile_headers(profile: dict[str, Any]) -> dict[str, str]:
+    return {header: str(profile[key]) for key, header in PROFILE_HEADERS.items()}
 
 
 class ChunkRenderer(Protocol):

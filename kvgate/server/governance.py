@@ -129,7 +129,11 @@ class Governance:
         running: Counter[str] = Counter()
         waiting: Counter[str] = Counter()
         ledger = None
+        prefix_queries: dict[str, int] = {}
+        prefix_hits: dict[str, int] = {}
         if engine is not None:
+            prefix_queries = dict(engine.kv_cache.tenant_prefix_queries)
+            prefix_hits = dict(engine.kv_cache.tenant_prefix_hits)
             ledger = engine.ledger
             blocks = dict(engine.kv_cache.tenant_blocks)
             running.update(r.tenant for r in list(engine.scheduler.running))
@@ -157,6 +161,8 @@ class Governance:
                 "prompt_tokens": ledger.prompt_tokens[name] if ledger else 0,
                 "generation_tokens": ledger.generation_tokens[name] if ledger else 0,
                 "kv_block_seconds": round(ledger.block_seconds.get(name, 0.0), 3) if ledger else 0,
+                "prefix_cache_queries": prefix_queries.get(name, 0),
+                "prefix_cache_hits": prefix_hits.get(name, 0),
                 "finished": finished,
                 "refusals": refusals,
             }

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.stats import IterationStats
+from kvgate.governance.tenants import PRIORITIES
 from kvgate.server.governance import Governance
 
 # Seconds. From a few ms (GPU decode) to many minutes (long CPU prefills behind a queue).
@@ -88,6 +89,19 @@ class EngineCollector(Collector):
             "reusable prefix), free.",
             labels=(*LABELS, "state"),
         )
+        yield gauge(
+            "kvgate:kv_fragmentation_ratio",
+            "Reserved but unfilled KV slots over reserved slots (running requests).",
+            kv.fragmentation(list(sched.running)),
+        )
+        by_reason = CounterMetricFamily(
+            "kvgate:preemptions",
+            "Preemptions by cause: pool (no free block), quota (tenant ceiling), slot.",
+            labels=(*LABELS, "reason"),
+        )
+        for reason, n in list(sched.preemptions_by_reason.items()):
+            by_reason.add_metric([*labels, reason], n)
+        yield by_reason
         cached = pool.num_free_cached_blocks()
         blocks.add_metric([*labels, "used"], pool.num_used_blocks)
         blocks.add_metric([*labels, "cached"], cached)
@@ -143,6 +157,23 @@ class TenantCollector(Collector):
             "Requests ended in the engine, by finish reason.",
             (*tl, "reason"),
         )
+        queries = family(
+            CounterMetricFamily,
+            "kvgate:tenant_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+        )
+        hits = family(
+            CounterMetricFamily,
+            "kvgate:tenant_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (hit rate = hits / queries).",
+        )
+        depth = family(
+            GaugeMetricFamily,
+            "kvgate:queue_depth",
+            "Requests waiting, by priority class.",
+            ("priority",),
+        )
+        waiting_by_class: dict[str, int] = {p: 0 for p in PRIORITIES}
         for tenant, row in report.items():
             prompt.add_metric([tenant], row["prompt_tokens"])
             gen.add_metric([tenant], row["generation_tokens"])
@@ -156,7 +187,13 @@ class TenantCollector(Collector):
                 refusals.add_metric([tenant, reason], n)
             for reason, n in row["finished"].items():
                 finished.add_metric([tenant, reason], n)
+            queries.add_metric([tenant], row["prefix_cache_queries"])
+            hits.add_metric([tenant], row["prefix_cache_hits"])
+            waiting_by_class[row["priority"]] += row["waiting"]
+        for priority, n in waiting_by_class.items():
+            depth.add_metric([priority], n)
         yield from (prompt, gen, block_s, held, quota, requests, refusals, finished)
+        yield from (queries, hits, depth)
 
 
 class PrometheusStatsListener:
@@ -194,9 +231,14 @@ class PrometheusStatsListener:
         self.iter_tokens = hist(
             "vllm:iteration_tokens_total", "Tokens run through the model per step.", TOKEN_BUCKETS
         )
-        self.step_time = hist(
-            "kvgate:engine_step_seconds", "Wall time of one engine step.", ITL_BUCKETS
+        self.step_time = Histogram(
+            "kvgate:engine_step_seconds",
+            "Wall time of one engine step, by what it ran: prefill, decode or mixed.",
+            (*LABELS, "phase"),
+            registry=registry,
+            buckets=ITL_BUCKETS,
         )
+        self.batch_size = hist("kvgate:batch_size", "Sequences in one engine step.", TOKEN_BUCKETS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that began.")
         self.generation_tokens = count("vllm:generation_tokens", "Tokens generated.")
         self.success = count(
@@ -209,7 +251,8 @@ class PrometheusStatsListener:
         m = self.model_name
         if stats.batch_size:
             self.iter_tokens.labels(m).observe(stats.num_batched_tokens)
-            self.step_time.labels(m).observe(stats.step_seconds)
+            self.batch_size.labels(m).observe(stats.batch_size)
+            self.step_time.labels(m, stats.phase).observe(stats.step_seconds)
         if stats.num_prompt_tokens:
             self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

@@ -335,3 +335,28 @@ def test_metrics_count_the_traffic(live_server: LiveServer, client: openai.OpenA
     # 40 tokens = 2 full blocks of 16; the 2nd and 3rd requests reuse both.
     assert delta("vllm:prefix_cache_hits_total") == 2 * 32
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_usage_carries_the_request_profile(client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=list(range(600, 640)), max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    resp = raw.parse()
+    assert resp.usage is not None and resp.usage.model_extra is not None
+    profile = resp.usage.model_extra["profile"]
+    assert set(profile) == {"queue_seconds", "prefill_seconds", "decode_seconds", "peak_kv_blocks"}
+    assert profile["peak_kv_blocks"] == 3  # 40 prompt + 5 new tokens in blocks of 16
+    assert profile["prefill_seconds"] > 0 and profile["decode_seconds"] > 0
+    assert raw.headers["x-kvgate-peak-kv-blocks"] == "3"
+    assert float(raw.headers["x-kvgate-decode-seconds"]) == profile["decode_seconds"]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=list(range(600, 640)), max_tokens=5, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    usage = chunks[-1].usage
+    assert usage is not None and usage.model_extra is not None
+    assert usage.model_extra["profile"]["peak_kv_blocks"] == 3
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 32  # the first run's two full blocks
