@@ -87,6 +87,8 @@ class Request:
         self.num_preemptions = 0
         #: Most KV blocks the request held at once (its memory footprint, for the profile).
         self.peak_kv_blocks = 0
+        #: (time.monotonic(), tokens) of each prompt chunk scheduled, for traces.
+        self.prefill_chunks: list[tuple[float, int]] = []
         #: The stop string or stop token id that ended the request, if any.
         self.stop_reason: str | int | None = None
         self.error: str | None = None

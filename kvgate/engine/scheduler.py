@@ -245,6 +245,8 @@ class Scheduler:
     def _sequence(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         end = start + num_new
+        if start < request.num_prompt_tokens:
+            request.prefill_chunks.append((self.clock(), num_new))
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),

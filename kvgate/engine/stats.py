@@ -29,6 +29,11 @@ class RequestMetrics:
     e2e_seconds: float
     num_preemptions: int
     peak_kv_blocks: int = 0
+    #: The same timeline as instants (time.monotonic()); None for a phase never reached.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prefill_chunks: tuple[tuple[float, int], ...] = ()
 
     @classmethod
     def of(cls, request: Request, now: float) -> RequestMetrics:
@@ -45,6 +50,10 @@ class RequestMetrics:
             e2e_seconds=max(end - request.arrival_time, 0.0),
             num_preemptions=request.num_preemptions,
             peak_kv_blocks=request.peak_kv_blocks,
+            first_scheduled_time=scheduled,
+            first_token_time=first_token,
+            finished_time=end,
+            prefill_chunks=tuple(request.prefill_chunks),
         )
 
 

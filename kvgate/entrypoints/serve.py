@@ -116,8 +116,16 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         if server is not None:
             server.should_exit = True
 
+    from kvgate.server.tracing import tracer_provider_from_env
+
+    provider = tracer_provider_from_env()
+    if provider is not None:
+        log.info("tracing on: OTLP/HTTP export as configured by the OTEL_* variables")
     app = build_app(
-        config, engine_loader(engine_config, config.max_queue_len), on_load_error=on_load_error
+        config,
+        engine_loader(engine_config, config.max_queue_len),
+        on_load_error=on_load_error,
+        tracer_provider=provider,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
@@ -44,6 +45,7 @@ from kvgate.server.protocol import (
     TokenizeRequest,
 )
 from kvgate.server.streaming import ClientDisconnected
+from kvgate.server.tracing import NoTracing, Tracing
 
 log = logging.getLogger("kvgate.server")
 
@@ -56,6 +58,7 @@ EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], Asyn
 class ServerState:
     config: ServerConfig
     governance: Governance
+    tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     serving: ServingContext | None = None
     load_error: BaseException | None = None
@@ -83,7 +86,9 @@ def _load(
         return
     pool = engine.engine.kv_pool
     state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
-    state.serving = ServingContext(engine, state.config.served_model_name, state.governance)
+    state.serving = ServingContext(
+        engine, state.config.served_model_name, state.governance, state.tracing
+    )
     state.ready.set()
     log.info(
         "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
@@ -159,8 +164,11 @@ def build_app(
     loader: EngineLoader,
     *,
     on_load_error: Callable[[BaseException], None] | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
-    state = ServerState(config, _governance(config))
+    """The app; ``tracer_provider`` turns on request traces (see ``server/tracing.py``)."""
+    tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
+    state = ServerState(config, _governance(config), tracing)
     state.registry.register(EngineCollector(lambda: state.engine, config.served_model_name))
     state.registry.register(TenantCollector(lambda: state.engine, state.governance))
     ProcessCollector(registry=state.registry)
@@ -180,6 +188,8 @@ def build_app(
             thread.join()
             if state.serving is not None:
                 state.serving.engine.shutdown()
+            if tracer_provider is not None:
+                tracer_provider.shutdown()  # flushes spans not yet exported
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvgate = state

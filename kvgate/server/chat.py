@@ -15,7 +15,6 @@ from kvgate.errors import InvalidRequest
 from kvgate.server.access_log import access_record
 from kvgate.server.generation import (
     ServingContext,
-    Tracker,
     admit_choices,
     chat_logprobs,
     collect_choices,
@@ -24,6 +23,7 @@ from kvgate.server.generation import (
 )
 from kvgate.server.protocol import ChatCompletionRequest
 from kvgate.server.streaming import EventStream, unless_disconnected
+from kvgate.server.tracing import CHAT
 
 
 def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
@@ -80,30 +80,31 @@ async def create_chat_completion(
     record.model = ctx.served_model_name
     prompt = _prompt_ids(ctx, body)
     record.prompt_tokens = len(prompt)
-    n = body.n or 1
-    requests, admission = admit_choices(
+    response_id = f"chatcmpl-{record.request_id}"
+    requests, tracker = admit_choices(
         ctx,
         http,
         [prompt],
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=_logprobs_setting(body),
+        operation=CHAT,
+        response_id=response_id,
     )
-    tracker = Tracker(record, admission, len(requests))
-    head = {"id": f"chatcmpl-{record.request_id}", "created": int(time.time()),
+    head = {"id": response_id, "created": int(time.time()),
             "model": ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream_choices(
             ctx, requests, tracker, _ChatChunks(ctx, want_logprobs), head,
-            n=n, include_usage=include_usage,
+            include_usage=include_usage,
         )  # fmt: skip
-        return EventStream(events, on_close=admission.release)
+        return EventStream(events, on_close=tracker.close)
     try:
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
     finally:
-        admission.release()
+        tracker.close()
     response = {
         **head,
         "object": "chat.completion",
@@ -116,6 +117,6 @@ async def create_chat_completion(
             }
             for i, r in enumerate(results)
         ],
-        "usage": tracker.usage(n),
+        "usage": tracker.usage(),
     }
     return JSONResponse(response, headers=profile_headers(tracker.profile()))

@@ -14,7 +14,6 @@ from kvgate.errors import InvalidRequest
 from kvgate.server.access_log import access_record
 from kvgate.server.generation import (
     ServingContext,
-    Tracker,
     admit_choices,
     collect_choices,
     completion_logprobs,
@@ -23,6 +22,7 @@ from kvgate.server.generation import (
 )
 from kvgate.server.protocol import CompletionRequest
 from kvgate.server.streaming import EventStream, unless_disconnected
+from kvgate.server.tracing import TEXT_COMPLETION
 
 #: OpenAI's default for the legacy completions API.
 DEFAULT_MAX_TOKENS = 16
@@ -84,31 +84,32 @@ async def create_completion(
     record.model = ctx.served_model_name
     prompts = _prompts(ctx, body)
     record.prompt_tokens = sum(len(p) for p in prompts)
-    n = body.n or 1
-    requests, admission = admit_choices(
+    response_id = f"cmpl-{record.request_id}"
+    requests, tracker = admit_choices(
         ctx,
         http,
         prompts,
         body,
         max_tokens=body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
         logprobs=body.logprobs,
+        operation=TEXT_COMPLETION,
+        response_id=response_id,
     )
-    tracker = Tracker(record, admission, len(requests))
     echoes = [ctx.tokenizer.decode(r.prompt_token_ids) if body.echo else "" for r in requests]
-    head = {"id": f"cmpl-{record.request_id}", "created": int(time.time()),
+    head = {"id": response_id, "created": int(time.time()),
             "model": ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream_choices(
             ctx, requests, tracker, _CompletionChunks(ctx, echoes, want_logprobs), head,
-            n=n, include_usage=include_usage,
+            include_usage=include_usage,
         )  # fmt: skip
-        return EventStream(events, on_close=admission.release)
+        return EventStream(events, on_close=tracker.close)
     try:
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
     finally:
-        admission.release()
+        tracker.close()
     response = {
         **head,
         "object": "text_completion",
@@ -125,6 +126,6 @@ async def create_completion(
             }
             for i, r in enumerate(results)
         ],
-        "usage": tracker.usage(n),
+        "usage": tracker.usage(),
     }
     return JSONResponse(response, headers=profile_headers(tracker.profile()))

@@ -31,6 +31,7 @@ from kvgate.server.errors import ModelNotServed, error_body, status_of
 from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.server.streaming import SSE_DONE, sse
+from kvgate.server.tracing import NoTracing, RequestSpan, Tracing
 from kvgate.tokenizer import Tokenizer
 
 
@@ -39,6 +40,7 @@ class ServingContext:
     engine: AsyncLLM
     served_model_name: str
     governance: Governance
+    tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -138,9 +140,11 @@ def admit_choices(
     *,
     max_tokens: int | None,
     logprobs: int | None,
-) -> tuple[list[Request], Admission]:
+    operation: str,
+    response_id: str,
+) -> tuple[list[Request], Tracker]:
     """Build the request's choices and admit them against the server's and the tenant's
-    limits; every refusal is counted for the tenant under its code."""
+    limits (every refusal is counted for the tenant under its code); start its trace."""
     record = access_record(http)
     tenant = record.tenant or DEFAULT_TENANT
     try:
@@ -154,7 +158,17 @@ def admit_choices(
     except KVGateError as exc:
         ctx.governance.count_refusal(tenant, exc.code)
         raise
-    return requests, ctx.governance.admit(tenant, requests)
+    admission = ctx.governance.admit(tenant, requests)
+    span = ctx.tracing.start(
+        http.headers,
+        operation=operation,
+        model=ctx.served_model_name,
+        tenant=tenant,
+        request_id=record.request_id,
+        requests=requests,
+    )
+    n = body.n or 1
+    return requests, Tracker(record, admission, requests, span, response_id, n)
 
 
 def _header_timeout(http: HttpRequest) -> float | None:
@@ -243,13 +257,39 @@ def check_finish(out: RequestOutput) -> None:
 
 class Tracker:
     """Book-keeping shared by whole and streamed responses: time to first token for the
-    access log, tokens used per choice (admission refunds what was not), totals for usage."""
+    access log, tokens used per choice (admission refunds what was not), totals for usage,
+    the request's trace span. ``close`` once the response is over, however it ended."""
 
-    def __init__(self, record: AccessRecord, admission: Admission, num_choices: int) -> None:
+    def __init__(
+        self,
+        record: AccessRecord,
+        admission: Admission,
+        requests: Sequence[Request],
+        span: RequestSpan,
+        response_id: str,
+        n: int,
+    ) -> None:
         self.record = record
         self.admission = admission
+        self.span = span
+        self.response_id = response_id
+        self.n = n
         self.start = time.perf_counter()
-        self.results = [ChoiceResult() for _ in range(num_choices)]
+        self.results = [ChoiceResult() for _ in requests]
+        self.error: str | None = None
+
+    def close(self) -> None:
+        self.admission.release()
+        firsts = self.results[:: self.n]
+        self.span.finish(
+            [r.metrics for r in self.results],
+            response_id=self.response_id,
+            finish_reasons=[r.finish_reason for r in self.results],
+            input_tokens=sum(r.num_prompt_tokens for r in firsts),
+            output_tokens=sum(r.num_output_tokens for r in self.results),
+            cached_tokens=sum(r.num_cached_tokens for r in firsts),
+            error=self.error if self.error is not None else self.record.error_code,
+        )
 
     def on_output(self, i: int, out: RequestOutput) -> None:
         if self.record.ttft_s is None and out.new_token_ids:
@@ -273,9 +313,9 @@ class Tracker:
     def profile(self) -> dict[str, Any]:
         return profile_of(self.results)
 
-    def usage(self, n: int) -> dict[str, Any]:
+    def usage(self) -> dict[str, Any]:
         """Usage over all choices; each prompt counts once however many choices it has."""
-        firsts = self.results[::n]
+        firsts = self.results[:: self.n]
         u = usage(
             sum(r.num_prompt_tokens for r in firsts),
             sum(r.num_output_tokens for r in self.results),
@@ -331,7 +371,6 @@ async def stream_choices(
     render: ChunkRenderer,
     head: dict[str, Any],
     *,
-    n: int,
     include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     """SSE events of all choices: openings, deltas in order, a finish per choice, the usage
@@ -355,12 +394,13 @@ async def stream_choices(
                 yield event(render.finish(i, out))
     except KVGateError as exc:  # headers are sent: the error travels as an event
         tracker.record.error_code = exc.code
+        tracker.error = exc.code
         if isinstance(exc, QueueTimeout):
             ctx.governance.count_refusal(requests[0].tenant, exc.code)
         yield sse(error_body(exc.message, status_of(exc)[1], exc.code, exc.param))
         yield SSE_DONE
         return
-    u = tracker.usage(n)
+    u = tracker.usage()
     if include_usage:
         yield sse({**head, "object": render.object_name, "choices": [], "usage": u})
     yield SSE_DONE
@@ -372,8 +412,10 @@ async def collect_choices(
     try:
         async for i, out in run_merged(ctx.engine, requests):
             tracker.on_output(i, out)
-    except QueueTimeout as exc:
-        ctx.governance.count_refusal(requests[0].tenant, exc.code)
+    except KVGateError as exc:
+        tracker.error = exc.code
+        if isinstance(exc, QueueTimeout):
+            ctx.governance.count_refusal(requests[0].tenant, exc.code)
         raise
     return tracker.results
 
