@@ -28,15 +28,13 @@ import hashlib
 import hmac
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import yaml
-
 from kvgate.engine.policy import TenantShare
 from kvgate.errors import InvalidConfig
+from kvgate.settings_file import read_table
 
 DEFAULT_TENANT = "default"
 PRIORITIES = {"critical": 0, "standard": 1, "batch": 2}
@@ -219,24 +217,7 @@ class TenantsConfig:
     def load(cls, path: str | os.PathLike[str]) -> TenantsConfig:
         """Parse and validate a tenants file; every mistake is named with where it is."""
         where = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                raw_bytes = f.read()
-        except OSError as exc:
-            raise InvalidConfig(
-                f"cannot read tenants file {where!r}: {exc.strerror}", param="tenants"
-            ) from exc
-        try:
-            if where.endswith((".yaml", ".yml")):
-                data = yaml.safe_load(raw_bytes) or {}
-            else:
-                data = tomllib.loads(raw_bytes.decode())
-        except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidConfig(
-                f"tenants file {where!r} is not valid: {exc}", param="tenants"
-            ) from exc
-        if not isinstance(data, dict):
-            raise _bad(f"tenants file {where!r} must hold a table")
+        data = read_table(path, what="tenants file", param="tenants")
         unknown = set(data) - {"tenants", "admin_keys"}
         if unknown:
             raise InvalidConfig(

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from kvgate.errors import InvalidConfig
+from kvgate.settings_file import read_table
 
 
 @dataclass(frozen=True)
@@ -56,23 +54,7 @@ class ServerConfig:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise InvalidConfig(
-            f"cannot read config file {path!r}: {exc.strerror}", param="config"
-        ) from exc
-    try:
-        if path.endswith((".yaml", ".yml")):
-            data = yaml.safe_load(raw) or {}
-        else:
-            data = tomllib.loads(raw.decode())
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidConfig(f"config file {path!r} is not valid: {exc}", param="config") from exc
-    if not isinstance(data, dict):
-        raise InvalidConfig(f"config file {path!r} must hold a table of settings", param="config")
-    return data
+    return read_table(path, what="config file", param="config")
 
 
 def config_file_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:

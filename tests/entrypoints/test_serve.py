@@ -22,6 +22,19 @@ def _serve(*args: str) -> subprocess.Popen[str]:
     )
 
 
+def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        time.sleep(0.1)
+
+
 def test_serve_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port = _free_port()
     config = tmp_path / "kvgate.toml"
@@ -31,16 +44,7 @@ def test_serve_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
     )
     proc = _serve("--config", str(config))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
@@ -77,16 +81,7 @@ def test_sighup_reloads_the_tenants_file(tiny_llama_dir: Path, tmp_path: Path) -
         return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
 
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _wait_healthy(proc, url)
         assert (status("sk-a"), status("sk-b")) == (200, 401)
         tenants.write_text('[tenants.a]\nkeys = ["sk-a"]\n[tenants.b]\nkeys = ["sk-b"]\n')
         proc.send_signal(signal.SIGHUP)
