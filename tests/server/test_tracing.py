@@ -112,6 +112,10 @@ def test_streamed_request_is_traced_when_it_ends(
     ) as r:
         body = r.read()
     assert body.endswith(b"data: [DONE]\n\n")
+    # The span ends when the response closes, just after the client has read the last byte.
+    deadline = time.monotonic() + 5
+    while len(exporter.get_finished_spans()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     names = sorted(s.name for s in exporter.get_finished_spans())
     assert names == ["decode", "prefill", "queue", "text_completion tiny"]
 
