@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import httpx
@@ -279,11 +280,22 @@ def test_request_id_header_and_access_log(
             headers=headers,
         )
         generated = httpx.get(f"{live_server.base_url}/health")
+
+        def logged() -> list[dict[str, object]]:
+            lines = [
+                json.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"
+            ]
+            return [x for x in lines if x["request_id"] == "trace-123"]
+
+        # The line is written once the response is over, which may be just after the client
+        # has it.
+        deadline = time.monotonic() + 5
+        while not logged() and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-123"
     assert r.json()["id"] == "cmpl-trace-123"
     assert len(generated.headers["x-request-id"]) == 32
-    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "kvgate.access"]
-    (line,) = [x for x in lines if x["request_id"] == "trace-123"]
+    (line,) = logged()
     assert line["tenant"] == "team-a" and line["status"] == 200
     assert line["completion_tokens"] == 3 and line["prompt_tokens"] >= 1
     assert line["ttft_s"] >= 0 and line["duration_s"] >= line["ttft_s"]
