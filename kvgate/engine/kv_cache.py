@@ -133,11 +133,16 @@ class KVCacheManager:
             request.peak_kv_blocks = max(request.peak_kv_blocks, len(blocks))
             tb = self.tenant_blocks
             tb[request.tenant] = tb.get(request.tenant, 0) + len(blocks) - held_before
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
+    def commit(self, request: Request) -> None:
+        """The step ran: register the request's blocks now full of computed KV in the prefix
+        cache. Only here, after the KV is written: a request preempted or failed before its
+        step ran never leaves a cached block that holds no KV."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
-        """Register blocks that will be full of known tokens once this step has run."""
+        """Register blocks that are full of computed tokens."""
         if not self.enable_prefix_caching:
             return
         self.update_block_hashes(request)

@@ -74,11 +74,12 @@ class SchedulingPolicy(Protocol):
         tenant_blocks: Mapping[str, int],
         need: Need,
         admitting: bool,
+        extra_blocks: int = 0,
     ) -> Request | None:
         """A running request to preempt so that ``request`` gets room, or None.
 
-        For a running request that must grow (``admitting`` False) the answer is never None:
-        it may be the request itself.
+        ``extra_blocks``: what ``request`` would take. For a running request that must grow
+        (``admitting`` False) the answer is never None: it may be the request itself.
         """
         ...
 
@@ -101,7 +102,7 @@ class FifoPolicy:
         return len(self._queue)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+        return iter(list(self._queue))  # a copy: other threads read while the engine runs
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
@@ -130,6 +131,7 @@ class FifoPolicy:
         tenant_blocks: Mapping[str, int],
         need: Need,
         admitting: bool,
+        extra_blocks: int = 0,
     ) -> Request | None:
         if admitting:
             return None
@@ -289,6 +291,7 @@ class TenantFairPolicy:
         tenant_blocks: Mapping[str, int],
         need: Need,
         admitting: bool,
+        extra_blocks: int = 0,
     ) -> Request | None:
         tenant = request.tenant
         others = [r for r in running if r is not request]
@@ -309,7 +312,7 @@ class TenantFairPolicy:
                 lower,
                 key=lambda r: (self.share(r.tenant).priority, over(r.tenant), self._order(r)),
             )
-        if over(tenant) < 0:  # under its guarantee: take back what was lent
+        if over(tenant) + extra_blocks <= 0:  # within its guarantee: take back what was lent
             lenders = [
                 r
                 for r in others

@@ -150,68 +150,90 @@ class Scheduler:
                 return Need.POOL
             return None
 
-        # 1. Running requests: decodes and unfinished prefill chunks, in the policy's order.
-        grew_by_preempting = False
-        for request in policy.running_order(self.running):
-            if budget <= 0:
-                break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step to make room for another
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while True:
-                need = need_of(request, kv.num_blocks_to_add(request, num_new))
-                if need is None and kv.allocate_slots(request, num_new):
-                    scheduled[request.request_id] = self._sequence(request, num_new)
-                    budget -= num_new
+        # Tenants that cannot admit more in this step: at their ceiling, or just preempted
+        # (a request preempted in a step is never re-admitted in the same step).
+        blocked: set[str] = set()
+
+        def run_running(order: list[Request]) -> bool:
+            """Budget for running requests (decodes, prefill chunks); True if it preempted."""
+            nonlocal budget
+            grew = False
+            for request in order:
+                if budget <= 0:
                     break
-                victim = policy.victim(
-                    request, self.running, kv.tenant_blocks, need or Need.POOL, admitting=False
-                )
-                assert victim is not None and victim.status == RequestStatus.RUNNING
-                preempt(victim, need or Need.POOL)
-                grew_by_preempting = True
-                if victim is request:
-                    break
+                if request.status != RequestStatus.RUNNING or request.request_id in scheduled:
+                    continue  # preempted earlier in this step, or already served
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                while True:
+                    extra = kv.num_blocks_to_add(request, num_new)
+                    need = need_of(request, extra)
+                    if need is None and kv.allocate_slots(request, num_new):
+                        scheduled[request.request_id] = self._sequence(request, num_new)
+                        budget -= num_new
+                        break
+                    victim = policy.victim(
+                        request, self.running, kv.tenant_blocks, need or Need.POOL,
+                        admitting=False, extra_blocks=extra,
+                    )  # fmt: skip
+                    assert victim is not None and victim.status == RequestStatus.RUNNING
+                    preempt(victim, need or Need.POOL)
+                    blocked.add(victim.tenant)
+                    grew = True
+                    if victim is request:
+                        break
+            return grew
+
+        # 1. Running requests, in the policy's order (it may bench some for one step).
+        grew_by_preempting = run_running(policy.running_order(self.running))
 
         # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
         # After preempting to let running requests grow, the pool is tight: admitting more
         # would only thrash, unless the newcomer outranks running work (a policy victim).
-        blocked: set[str] = set()  # tenants that cannot admit more in this step
         while budget > 0:
             candidate = policy.pick(blocked)
             if candidate is None:
                 break
-            if grew_by_preempting and (
-                policy.victim(candidate, self.running, kv.tenant_blocks, Need.POOL, admitting=True)
-                is None
-            ):
+            hits, num_hit_tokens = kv.get_computed_blocks(candidate)
+            num_new = min(candidate.num_tokens - num_hit_tokens, budget)
+            extra = kv.num_blocks_to_add(candidate, num_new, hits)
+
+            def victim_for(
+                need: Need, candidate: Request = candidate, extra: int = extra
+            ) -> Request | None:
+                return policy.victim(
+                    candidate, self.running, kv.tenant_blocks, need,
+                    admitting=True, extra_blocks=extra,
+                )  # fmt: skip
+
+            if grew_by_preempting and victim_for(Need.POOL) is None:
                 blocked.add(candidate.tenant)
                 continue
             if len(self.running) >= self.config.max_num_seqs:
-                victim = policy.victim(
-                    candidate, self.running, kv.tenant_blocks, Need.SLOT, admitting=True
-                )
+                victim = victim_for(Need.SLOT)
                 if victim is None:
                     break
                 preempt(victim, Need.SLOT)
+                blocked.add(victim.tenant)
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(candidate)
-            num_new = min(candidate.num_tokens - num_hit_tokens, budget)
-            need = need_of(candidate, kv.num_blocks_to_add(candidate, num_new, hits))
+            need = need_of(candidate, extra)
             if need is None and kv.allocate_slots(candidate, num_new, hits):
                 self._admit(candidate, num_hit_tokens, new_requests)
                 scheduled[candidate.request_id] = self._sequence(candidate, num_new)
                 budget -= num_new
                 continue
-            victim = policy.victim(
-                candidate, self.running, kv.tenant_blocks, need or Need.POOL, admitting=True
-            )
+            victim = victim_for(need or Need.POOL)
             if victim is not None:
                 preempt(victim, need or Need.POOL)
+                blocked.add(victim.tenant)
             elif need is Need.QUOTA:
                 blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
             else:
                 break  # the pool is full: later requests wait their turn
+
+        # A step the policy set aside for a newcomer that could not be admitted after all
+        # would run nothing: give the budget to the running requests instead.
+        if not scheduled and self.running:
+            run_running(list(self.running))
 
         for seq in scheduled.values():
             policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens)
@@ -274,6 +296,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended or preempted after being scheduled
             request.num_computed_tokens += seq.num_tokens
+            self.kv_cache.commit(request)
             token = runner_output.sampled_token_ids.get(seq.request_id)
             if token is None:
                 continue

@@ -70,6 +70,13 @@ class Ticket:
         self.released = True
         self.gate._release(self, used_tokens)
 
+    def cancel(self) -> None:
+        """Undo the admission (a sibling choice was refused): refund everything it took."""
+        if self.released:
+            return
+        self.released = True
+        self.gate._release(self, 0, refund_request=True)
+
 
 class TenantGate:
     """Per-tenant admission state. ``block_size`` and ``num_blocks`` size the KV ceiling."""
@@ -85,6 +92,36 @@ class TenantGate:
     def in_flight(self, tenant: str) -> int:
         state = self._state.get(tenant)
         return state.in_flight if state is not None else 0
+
+    def admit_all(self, spec: TenantSpec, sizes: list[tuple[int, int]]) -> list[Ticket]:
+        """Admit the (prompt tokens, max tokens) of every choice of one request, or none.
+
+        What the choices can never fit together (more tokens than tokens_per_minute, more
+        choices than max_concurrent) is refused as such, not rate-limited for ever."""
+        total = sum(p + m for p, m in sizes)
+        if spec.tokens_per_minute is not None and total > spec.tokens_per_minute:
+            raise TenantLimitExceeded(
+                f"the request's {len(sizes)} choices need {total} tokens (prompt + max_tokens "
+                f"each), over tenant {spec.name!r}'s tokens_per_minute={spec.tokens_per_minute}",
+                limit="tokens_per_minute",
+                value=spec.tokens_per_minute,
+            )
+        if spec.max_concurrent is not None and len(sizes) > spec.max_concurrent:
+            raise TenantLimitExceeded(
+                f"the request's {len(sizes)} choices exceed tenant {spec.name!r}'s "
+                f"max_concurrent={spec.max_concurrent}",
+                limit="max_concurrent",
+                value=spec.max_concurrent,
+            )
+        tickets: list[Ticket] = []
+        try:
+            for prompt_tokens, max_tokens in sizes:
+                tickets.append(self.admit(spec, prompt_tokens, max_tokens))
+        except KVGateError:
+            for ticket in tickets:
+                ticket.cancel()
+            raise
+        return tickets
 
     def admit(self, spec: TenantSpec, prompt_tokens: int, max_tokens: int) -> Ticket:
         """Admit one request (``n`` choices count as ``n`` calls) or raise."""
@@ -147,21 +184,29 @@ class TenantGate:
         state = self._state.get(tenant)
         return _headers(state) if state is not None else {}
 
-    def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
+    def _release(
+        self, ticket: Ticket, used_tokens: int | None, refund_request: bool = False
+    ) -> None:
         state = self._state.get(ticket.tenant)
         if state is None:
             return
         state.in_flight -= 1
+        now = self.clock()
         if state.tokens is not None and used_tokens is not None:
             unused = max(ticket.charged_tokens - used_tokens, 0)
-            state.tokens.refill(self.clock())
+            state.tokens.refill(now)
             state.tokens.level = min(state.tokens.limit, state.tokens.level + unused)
+        if state.requests is not None and refund_request:
+            state.requests.refill(now)
+            state.requests.level = min(state.requests.limit, state.requests.level + 1)
 
 
 def _sync(bucket: _Bucket | None, limit: int | None, now: float) -> _Bucket | None:
     """The bucket for the tenant's current limit (a reload may have changed it), refilled."""
     if limit is None:
         return None
+    if bucket is not None:
+        bucket.refill(now)  # what was owed under the old limit, before any change
     if bucket is None or bucket.limit != limit:
         level = limit if bucket is None else min(bucket.level, limit)
         bucket = _Bucket(float(limit), float(level), now)

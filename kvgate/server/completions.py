@@ -84,6 +84,9 @@ async def create_completion(
     record.model = ctx.served_model_name
     prompts = _prompts(ctx, body)
     record.prompt_tokens = sum(len(p) for p in prompts)
+    n = body.n or 1
+    # Before admission: nothing that may fail stands between admitting and the response.
+    prompt_texts = [ctx.tokenizer.decode(p) if body.echo else "" for p in prompts]
     response_id = f"cmpl-{record.request_id}"
     requests, tracker = admit_choices(
         ctx,
@@ -95,7 +98,7 @@ async def create_completion(
         operation=TEXT_COMPLETION,
         response_id=response_id,
     )
-    echoes = [ctx.tokenizer.decode(r.prompt_token_ids) if body.echo else "" for r in requests]
+    echoes = [prompt_texts[i // n] for i in range(len(requests))]
     head = {"id": response_id, "created": int(time.time()),
             "model": ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None

@@ -159,16 +159,19 @@ def admit_choices(
         ctx.governance.count_refusal(tenant, exc.code)
         raise
     admission = ctx.governance.admit(tenant, requests)
-    span = ctx.tracing.start(
-        http.headers,
-        operation=operation,
-        model=ctx.served_model_name,
-        tenant=tenant,
-        request_id=record.request_id,
-        requests=requests,
-    )
-    n = body.n or 1
-    return requests, Tracker(record, admission, requests, span, response_id, n)
+    try:
+        span = ctx.tracing.start(
+            http.headers,
+            operation=operation,
+            model=ctx.served_model_name,
+            tenant=tenant,
+            request_id=record.request_id,
+            requests=requests,
+        )
+    except BaseException:
+        admission.release()
+        raise
+    return requests, Tracker(record, admission, requests, span, response_id, body.n or 1)
 
 
 def _header_timeout(http: HttpRequest) -> float | None:

@@ -91,14 +91,10 @@ class Governance:
     def admit(self, tenant: str, requests: Sequence[Request]) -> Admission:
         """Admit every choice or none (raises the refusal, counted by its code)."""
         assert self.gate is not None, "admission before the engine is ready"
-        spec = self.spec(tenant)
-        tickets: list[Ticket] = []
+        sizes = [(r.num_prompt_tokens, r.params.max_tokens) for r in requests]
         try:
-            for r in requests:
-                tickets.append(self.gate.admit(spec, r.num_prompt_tokens, r.params.max_tokens))
+            tickets = self.gate.admit_all(self.spec(tenant), sizes)
         except KVGateError as exc:
-            for t in tickets:
-                t.release()
             self.count_refusal(tenant, exc.code)
             raise
         return Admission(tickets)
@@ -124,7 +120,8 @@ class Governance:
         counter the engine thread updates, so a report is a near-instant snapshot.
         """
         tenants = self.tenants
-        names = set(tenants.tenants) | {t for t, _ in self.refusals}
+        refusal_items = list(self.refusals.items())  # a copy: the event loop adds to it
+        names = set(tenants.tenants) | {t for (t, _), _ in refusal_items}
         blocks: dict[str, int] = {}
         running: Counter[str] = Counter()
         waiting: Counter[str] = Counter()
@@ -137,13 +134,13 @@ class Governance:
             ledger = engine.ledger
             blocks = dict(engine.kv_cache.tenant_blocks)
             running.update(r.tenant for r in list(engine.scheduler.running))
-            waiting.update(r.tenant for r in engine.scheduler.waiting)
+            waiting.update(r.tenant for r in list(engine.scheduler.waiting))
             names |= set(blocks) | set(ledger.prompt_tokens) | set(running) | set(waiting)
         out: dict[str, dict[str, Any]] = {}
         for name in sorted(names):
             spec = tenants.spec(name)
             share = spec.share(self.num_blocks)
-            refusals = {r: n for (t, r), n in list(self.refusals.items()) if t == name}
+            refusals = {r: n for (t, r), n in refusal_items if t == name}
             finished = (
                 {r: n for (t, r), n in list(ledger.finished.items()) if t == name} if ledger else {}
             )

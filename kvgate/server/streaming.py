@@ -45,9 +45,11 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._events.aclose()
-            if self._on_close is not None:
-                self._on_close()
+            try:
+                await self._events.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 class ClientDisconnected(Exception):

@@ -242,3 +242,56 @@ def test_a_tenant_back_from_idle_gets_its_first_prefill_step_to_itself() -> None
     sched.update(out, runner.execute(out))
     out = sched.schedule()  # never two such steps in a row: everyone runs, "o" joins now
     assert {s.request_id for s in out.sequences} == {"b0", "b1", "b2", "b3", "q", "o"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    guarantees=st.lists(st.integers(0, 8), min_size=2, max_size=3),
+    priorities=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+    sizes=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(4, 40), st.integers(1, 12)),
+        min_size=4,
+        max_size=25,
+    ),
+)
+def test_contending_tenants_always_make_progress(
+    guarantees: list[int], priorities: list[int], sizes: list[tuple[int, int, int]]
+) -> None:
+    """Guarantees, priorities and reclaiming never make two tenants preempt each other for
+    ever: every schedule() returns, preempts fewer requests than are running, and all end."""
+    tenants = [f"t{i}" for i in range(len(guarantees))]
+    shares = {
+        t: TenantShare(priority=priorities[i], guaranteed_blocks=g)
+        for i, (t, g) in enumerate(zip(tenants, guarantees, strict=True))
+    }
+    sched = make_scheduler(
+        num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+        policy=fair(shares),
+    )  # fmt: skip
+    runner = FakeRunner()
+    for i, (t, prompt_len, max_tokens) in enumerate(sizes):
+        sched.add_request(req(f"r{i}", tenants[t % len(tenants)], prompt_len, max_tokens))
+    for _ in range(3000):
+        if not sched.num_unfinished:
+            break
+        running_before = len(sched.running)
+        out = sched.schedule()
+        assert len(out.preempted_request_ids) <= running_before + len(out.sequences)
+        sched.update(out, runner.execute(out))
+    assert not sched.num_unfinished, "tenants kept preempting each other"
+    sched.kv_cache.pool.check_invariants()
+
+
+def test_blocks_enter_the_prefix_cache_only_once_their_step_ran() -> None:
+    """A request preempted in the step that allocated its blocks must not leave cached
+    blocks whose KV was never written."""
+    policy = fair({"crit": TenantShare(priority=CRITICAL), "bulk": TenantShare(priority=BATCH)})
+    sched = make_scheduler(
+        num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, policy=policy
+    )
+    runner = FakeRunner()
+    sched.add_request(req("b", "bulk", prompt_len=32, max_tokens=4))  # 8 blocks
+    out = sched.schedule()
+    assert sched.kv_cache.pool.cached == {}  # allocated, not yet computed: nothing cached
+    sched.update(out, runner.execute(out))
+    assert len(sched.kv_cache.pool.cached) == 8

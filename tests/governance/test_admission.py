@@ -76,3 +76,22 @@ def test_max_concurrent() -> None:
     assert g.in_flight("a") == 2
     two.release()
     assert g.in_flight("a") == 1
+
+
+def test_choices_are_admitted_together_or_not_at_all() -> None:
+    clock = Clock()
+    g = gate(clock)
+    spec = TenantSpec("a", tokens_per_minute=4000, requests_per_minute=3)
+    # Two choices of 2500 tokens can never fit 4000 per minute: refused as such, not a 429.
+    with pytest.raises(TenantLimitExceeded) as never:
+        g.admit_all(spec, [(500, 2000), (500, 2000)])
+    assert never.value.param == "tokens_per_minute"
+    with pytest.raises(TenantLimitExceeded, match="max_concurrent=1"):
+        g.admit_all(TenantSpec("b", max_concurrent=1), [(1, 1), (1, 1)])
+    # The second choice is rate-limited: the first one's charge is given back in full.
+    g.admit_all(spec, [(100, 1400)])  # 1500 of 4000 tokens, 1 of 3 requests
+    with pytest.raises(RateLimited):
+        g.admit_all(spec, [(100, 1400), (100, 1400)])  # 1500 fits, the next 1500 does not
+    assert g.in_flight("a") == 1
+    g.admit_all(spec, [(100, 900), (100, 900)])  # 2000 left: both fit now
+    assert g.in_flight("a") == 3
