@@ -268,6 +268,9 @@ class LLMEngine:
         for request in self.scheduler.expire():
             self._aborted.append(self._final_output(request))
         sched = self.scheduler.schedule()
+        refused, self.scheduler.refused = self.scheduler.refused, []
+        for request in refused:
+            self._aborted.append(self._final_output(request))
         self.last_batch_size = stats.batch_size = len(sched.sequences)
         decodes = sum(1 for s in sched.sequences if s.num_tokens == 1)
         if sched.sequences:

@@ -55,6 +55,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        #: Requests ended by ``schedule()`` itself (they can never run); the engine reports them.
+        self.refused: list[Request] = []
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
         #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
@@ -225,6 +227,14 @@ class Scheduler:
             if victim is not None:
                 preempt(victim, need or Need.POOL)
                 blocked.add(victim.tenant)
+            elif need is Need.QUOTA and not kv.tenant_blocks.get(candidate.tenant):
+                # Over its tenant's ceiling with the tenant holding nothing: it can never run
+                # (the ceiling was lowered under it). End it rather than let it wait for ever.
+                candidate.error = (
+                    f"the request needs {extra} KV blocks, over its tenant's kv_ceiling"
+                )
+                self.finish_requests([candidate.request_id], RequestStatus.FINISHED_ERROR)
+                self.refused.append(candidate)
             elif need is Need.QUOTA:
                 blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
             else:

@@ -295,3 +295,18 @@ def test_blocks_enter_the_prefix_cache_only_once_their_step_ran() -> None:
     assert sched.kv_cache.pool.cached == {}  # allocated, not yet computed: nothing cached
     sched.update(out, runner.execute(out))
     assert len(sched.kv_cache.pool.cached) == 8
+
+
+def test_a_request_over_a_lowered_ceiling_ends_instead_of_waiting_for_ever() -> None:
+    policy = fair({"t": TenantShare()})
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, policy=policy)
+    runner = FakeRunner()
+    sched.add_request(req("r", "t", prompt_len=20, max_tokens=8))  # 5 blocks for its prompt
+    step(sched, runner)
+    policy.update({"t": TenantShare(ceiling_blocks=3)}, TenantShare())  # a reload lowers it
+    for _ in range(3):
+        step(sched, runner)
+    assert not sched.num_unfinished
+    (ended,) = sched.refused
+    assert ended.status == RequestStatus.FINISHED_ERROR and "kv_ceiling" in (ended.error or "")
+    assert sched.kv_cache.pool.num_used_blocks == 0
