@@ -17,12 +17,10 @@ from kvgate.server.generation import (
     ServingContext,
     admit_choices,
     chat_logprobs,
-    collect_choices,
-    profile_headers,
-    stream_choices,
+    respond,
 )
 from kvgate.server.protocol import ChatCompletionRequest
-from kvgate.server.streaming import EventStream, unless_disconnected
+from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import CHAT
 
 
@@ -94,29 +92,15 @@ async def create_chat_completion(
     head = {"id": response_id, "created": int(time.time()),
             "model": ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_choices(
-            ctx, requests, tracker, _ChatChunks(ctx, want_logprobs), head,
-            include_usage=include_usage,
-        )  # fmt: skip
-        return EventStream(events, on_close=tracker.close)
-    try:
-        results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
-    finally:
-        tracker.close()
-    response = {
-        **head,
-        "object": "chat.completion",
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": _logprobs_field(ctx, r.logprobs, want_logprobs),
-                "finish_reason": r.finish_reason,
-            }
-            for i, r in enumerate(results)
-        ],
-        "usage": tracker.usage(),
-    }
-    return JSONResponse(response, headers=profile_headers(tracker.profile()))
+    return await respond(
+        ctx, http, requests, tracker, _ChatChunks(ctx, want_logprobs), head,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        whole_object="chat.completion",
+        whole_choice=lambda i, r: {
+            "index": i,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": _logprobs_field(ctx, r.logprobs, want_logprobs),
+            "finish_reason": r.finish_reason,
+        },
+    )  # fmt: skip

@@ -15,13 +15,11 @@ from kvgate.server.access_log import access_record
 from kvgate.server.generation import (
     ServingContext,
     admit_choices,
-    collect_choices,
     completion_logprobs,
-    profile_headers,
-    stream_choices,
+    respond,
 )
 from kvgate.server.protocol import CompletionRequest
-from kvgate.server.streaming import EventStream, unless_disconnected
+from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import TEXT_COMPLETION
 
 #: OpenAI's default for the legacy completions API.
@@ -102,33 +100,19 @@ async def create_completion(
     head = {"id": response_id, "created": int(time.time()),
             "model": ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_choices(
-            ctx, requests, tracker, _CompletionChunks(ctx, echoes, want_logprobs), head,
-            include_usage=include_usage,
-        )  # fmt: skip
-        return EventStream(events, on_close=tracker.close)
-    try:
-        results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
-    finally:
-        tracker.close()
-    response = {
-        **head,
-        "object": "text_completion",
-        "choices": [
-            {
-                "index": i,
-                "text": echoes[i] + r.text,
-                "logprobs": (
-                    completion_logprobs(ctx.tokenizer, r.logprobs, len(echoes[i]))
-                    if want_logprobs
-                    else None
-                ),
-                "finish_reason": r.finish_reason,
-            }
-            for i, r in enumerate(results)
-        ],
-        "usage": tracker.usage(),
-    }
-    return JSONResponse(response, headers=profile_headers(tracker.profile()))
+    return await respond(
+        ctx, http, requests, tracker, _CompletionChunks(ctx, echoes, want_logprobs), head,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        whole_object="text_completion",
+        whole_choice=lambda i, r: {
+            "index": i,
+            "text": echoes[i] + r.text,
+            "logprobs": (
+                completion_logprobs(ctx.tokenizer, r.logprobs, len(echoes[i]))
+                if want_logprobs
+                else None
+            ),
+            "finish_reason": r.finish_reason,
+        },
+    )  # fmt: skip

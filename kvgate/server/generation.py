@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.messages import TokenLogprobs
@@ -30,7 +31,7 @@ from kvgate.server.access_log import AccessRecord, access_record
 from kvgate.server.errors import ModelNotServed, error_body, status_of
 from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvgate.server.streaming import SSE_DONE, sse
+from kvgate.server.streaming import SSE_DONE, EventStream, sse, unless_disconnected
 from kvgate.server.tracing import NoTracing, RequestSpan, Tracing
 from kvgate.tokenizer import Tokenizer
 
@@ -407,6 +408,37 @@ async def stream_choices(
     if include_usage:
         yield sse({**head, "object": render.object_name, "choices": [], "usage": u})
     yield SSE_DONE
+
+
+async def respond(
+    ctx: ServingContext,
+    http: HttpRequest,
+    requests: Sequence[Request],
+    tracker: Tracker,
+    render: ChunkRenderer,
+    head: dict[str, Any],
+    *,
+    stream: bool,
+    include_usage: bool,
+    whole_object: str,
+    whole_choice: Callable[[int, ChoiceResult], dict[str, Any]],
+) -> JSONResponse | EventStream:
+    """The response to admitted choices: an SSE stream, or the whole JSON body (with the
+    profile headers) once every choice is done. The tracker is closed however it ends."""
+    if stream:
+        events = stream_choices(ctx, requests, tracker, render, head, include_usage=include_usage)
+        return EventStream(events, on_close=tracker.close)
+    try:
+        results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
+    finally:
+        tracker.close()
+    response = {
+        **head,
+        "object": whole_object,
+        "choices": [whole_choice(i, r) for i, r in enumerate(results)],
+        "usage": tracker.usage(),
+    }
+    return JSONResponse(response, headers=profile_headers(tracker.profile()))
 
 
 async def collect_choices(

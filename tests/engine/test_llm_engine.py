@@ -93,6 +93,8 @@ def test_token_ids_outside_vocab_are_refused(engine: LLMEngine) -> None:
         ({"min_p": 2.0}, "min_p"),
         ({"logprobs": 99}, "logprobs"),
         ({"stop": [""]}, "stop"),
+        ({"seed": -(2**63) - 1}, "seed"),  # found by the server's schema fuzz test
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, Any], param: str) -> None:
