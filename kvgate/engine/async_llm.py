@@ -101,12 +101,17 @@ class AsyncLLM:
         with self._lock:
             return sum(1 for s in self._streams.values() if not s.abandoned)
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue."""
+    def check_capacity(self, num_new: int = 1, in_flight: int | None = None) -> None:
+        """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue.
+
+        ``in_flight``: the caller's own count when it admits requests before they stream
+        (a server counting at admission sees a burst that has not reached the engine yet).
+        """
         if self.max_queue_len is None:
             return
         limit = self.engine.config.max_num_seqs + self.max_queue_len
-        in_flight = self.num_in_flight
+        if in_flight is None:
+            in_flight = self.num_in_flight
         if in_flight + num_new > limit:
             raise Overloaded(
                 f"server is at capacity: {in_flight} requests in flight, limit {limit} "

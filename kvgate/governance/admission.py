@@ -93,6 +93,11 @@ class TenantGate:
         state = self._state.get(tenant)
         return state.in_flight if state is not None else 0
 
+    @property
+    def total_in_flight(self) -> int:
+        """Admitted and not yet released, all tenants: the server's queue as it stands."""
+        return sum(s.in_flight for s in list(self._state.values()))
+
     def admit_all(self, spec: TenantSpec, sizes: list[tuple[int, int]]) -> list[Ticket]:
         """Admit the (prompt tokens, max tokens) of every choice of one request, or none.
 

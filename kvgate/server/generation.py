@@ -149,7 +149,10 @@ def admit_choices(
     record = access_record(http)
     tenant = record.tenant or DEFAULT_TENANT
     try:
-        ctx.engine.check_capacity((body.n or 1) * len(prompts))
+        gate = ctx.governance.gate
+        ctx.engine.check_capacity(
+            (body.n or 1) * len(prompts), gate.total_in_flight if gate is not None else None
+        )
         timeout = body.timeout if body.timeout is not None else _header_timeout(http)
         context = ctx.governance.context(tenant, timeout)
         requests = build_choices(

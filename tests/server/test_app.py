@@ -134,3 +134,23 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(live_server: Liv
     wait_idle(live_server, timeout=1.0)
     assert engine.kv_cache.pool.num_used_blocks == 0
     assert aborted_requests(live_server) == aborted_before + 1  # ended by the abort, not by length
+
+
+def test_a_burst_cannot_overfill_the_queue(single_slot_server: LiveServer) -> None:
+    """Capacity is counted at admission, so requests that arrive together (none of them yet
+    streaming in the engine) cannot all slip past a one-slot, no-queue server."""
+    live = single_slot_server
+    wait_idle(live)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"prompt": "a", "max_tokens": 50, "ignore_eos": True}
+            rs = await asyncio.gather(
+                *(http.post(f"{live.api_url}/completions", json=body) for _ in range(6))
+            )
+        return sorted(r.status_code for r in rs)
+
+    codes = asyncio.run(burst())
+    assert codes.count(200) >= 1 and codes.count(503) >= 1
+    assert set(codes) == {200, 503}
+    wait_idle(live)
