@@ -92,9 +92,17 @@ def _build(name: str) -> Path | None:
 
 
 class PagedDecodeKernel:
-    """ctypes front of ``paged_decode_{bf16,f32}``; calls release the GIL."""
+    """ctypes front of the attention kernels (``paged_decode.c``); calls release the GIL.
+
+    ``__call__``: paged decode, bf16 or float32. ``causal_softmax``: the softmax of the
+    short-prompt prefill path, bf16 only (None when not compiled in).
+    """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._softmax = lib.causal_softmax_bf16
+        self._softmax.restype = ctypes.c_int
+        self._softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._softmax.argtypes += [ctypes.c_int, ctypes.c_float]
         self._fns = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
@@ -140,6 +148,20 @@ class PagedDecodeKernel:
         if rc != 0:
             raise ValueError(f"paged decode kernel refused shapes: heads/kv={hq // hkv}, dim={d}")
         return out
+
+    #: Longest key row of ``causal_softmax`` (MAX_SOFTMAX_KEYS in paged_decode.c).
+    MAX_SOFTMAX_KEYS = 4096
+
+    def causal_softmax(self, scores: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """scores [..., R, n] bf16, row r being query r % n -> causal softmax probabilities
+        in bf16, zero past each query; None where the kernel cannot take it."""
+        n = scores.shape[-1]
+        if scores.dtype != torch.bfloat16 or n > self.MAX_SOFTMAX_KEYS:
+            return None
+        scores = scores.contiguous()
+        probs = torch.empty_like(scores)
+        rc = self._softmax(scores.data_ptr(), probs.data_ptr(), scores.numel() // n, n, scale)
+        return probs if rc == 0 else None
 
 
 def _load(name: str) -> ctypes.CDLL | None:

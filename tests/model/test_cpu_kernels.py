@@ -52,6 +52,34 @@ def test_paged_decode_kernel_matches_torch(
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 100, 256])
+def test_short_prefill_with_the_native_softmax_matches_torch(
+    heads: int, kv_heads: int, length: int
+) -> None:
+    torch.manual_seed(length)
+    d = 64
+    q = (torch.randn(length, heads, d) * 2).bfloat16()
+    k = (torch.randn(length, kv_heads, d) * 2).bfloat16()
+    v = torch.randn(length, kv_heads, d).bfloat16()
+    plain = TorchAttention(heads, kv_heads, d)._short_prefill(q, k, v).float()
+    fast = TorchAttention(heads, kv_heads, d, decode_kernel=kernel)._short_prefill(q, k, v)
+    # bf16 probabilities: one rounding each, so the outputs agree to bf16 precision.
+    torch.testing.assert_close(fast.float(), plain, atol=2e-2, rtol=2e-2)
+    # The causal mask: the first query sees only the first key, so it returns that value.
+    group = heads // kv_heads
+    assert torch.equal(fast[0], v[0].repeat_interleave(group, dim=0))
+
+
+@needs_kernels
+def test_native_softmax_refuses_what_it_cannot_take() -> None:
+    assert kernel is not None
+    assert kernel.causal_softmax(torch.zeros(4, 4), 1.0) is None  # float32
+    too_long = kernel.MAX_SOFTMAX_KEYS + 1
+    assert kernel.causal_softmax(torch.zeros(1, too_long, dtype=torch.bfloat16), 1.0) is None
+
+
 def _ops() -> tuple[FusedCpuLayerOps, TorchLayerOps]:
     assert fused_lib is not None
     rope = RotaryEmbedding(64, 4096, 1e5, None, torch.bfloat16, torch.device("cpu"))
@@ -84,6 +112,49 @@ def test_fused_rope_and_kv_write_are_bit_exact() -> None:
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@needs_kernels
+@pytest.mark.parametrize("hidden", [576, 960, 2048, 100, 8, 3])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_fused_add_rms_norm_is_bit_exact(hidden: int, rows: int, with_x: bool) -> None:
+    """The native norm sums squares in torch's own order, so it rounds exactly as torch does
+    (a different order changes the last bit of the scale now and then)."""
+    fused, plain = _ops()
+    torch.manual_seed(hidden * rows)
+    # Rows of very different magnitudes, as residual streams are.
+    scale = torch.logspace(-3, 3, rows)[:, None]
+    residual = (torch.randn(rows, hidden) * scale).bfloat16()
+    x = (torch.randn(rows, hidden) * scale).bfloat16() if with_x else None
+    weight = torch.randn(hidden).bfloat16()
+    res_fused, res_plain = residual.clone(), residual.clone()
+    got = fused.add_norm(x, res_fused, weight, 1e-5)
+    ref = plain.add_norm(x, res_plain, weight, 1e-5)
+    assert torch.equal(res_fused, res_plain)
+    assert torch.equal(got, ref)
+
+
+@needs_kernels
+def test_fused_silu_is_bit_exact_on_every_bf16_value() -> None:
+    """SiLU's input is bf16, so all 65,536 inputs can be checked: the native exp follows
+    torch's (SLEEF's) steps, and the rounding keeps subnormals as torch does."""
+    fused, plain = _ops()
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate_up = torch.cat([every, torch.ones_like(every)])[None, :]  # one row: gate, then up = 1
+    got, ref = fused.silu_mul(gate_up), plain.silu_mul(gate_up)
+    finite = torch.isfinite(every.float())
+    assert torch.equal(got[0][finite], ref[0][finite])
+    assert torch.isnan(got[0][every.float().isnan()]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 1536), (33, 1536), (300, 1536), (5, 40)])
+def test_fused_silu_mul_is_bit_exact(rows: int, intermediate: int) -> None:
+    fused, plain = _ops()
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * intermediate) * 4).bfloat16()
+    assert torch.equal(fused.silu_mul(gate_up), plain.silu_mul(gate_up))
 
 
 @needs_kernels
