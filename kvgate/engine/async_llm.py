@@ -75,6 +75,10 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        # Commands taken off the queue inside a step but applied only after it (see
+        # _between_layers); the engine thread alone touches this list.
+        self._deferred: list[_Abort | _Call | None] = []
+        engine.between_layers = self._between_layers
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
 
@@ -213,18 +217,48 @@ class AsyncLLM:
         for stream in streams:
             stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
 
+    def _between_layers(self) -> None:
+        """Inside a step, between two of its layers: take in requests that arrived, and let
+        the engine run an urgent one's prefill now (``LLMEngine.step_urgent``) instead of
+        after the step. Aborts and calls wait for the step's end: the step in flight still
+        uses its requests' blocks."""
+        if self._commands.empty():
+            return
+        while True:
+            try:
+                cmd = self._commands.get(block=False)
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                self._add(cmd.request)
+            else:
+                self._deferred.append(cmd)
+        for out in self.engine.step_urgent():
+            self._deliver(out.request_id, out)
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add(request)
+        except Exception as exc:
+            self._deliver(request.request_id, exc)
+
     def _drain_commands(self, wait: float | None) -> bool:
         """Apply queued commands, waiting up to ``wait`` seconds for the first one (None: for
         ever); False once shutdown was asked for."""
-        first = True
+        deferred, self._deferred = self._deferred, []
+        first = not deferred
         while True:
-            try:
-                if first and wait != 0.0:
-                    cmd = self._commands.get(timeout=wait)
-                else:
-                    cmd = self._commands.get(block=False)
-            except queue.Empty:
-                return True
+            cmd: _Add | _Abort | _Call | None
+            if deferred:
+                cmd = deferred.pop(0)
+            else:
+                try:
+                    if first and wait != 0.0:
+                        cmd = self._commands.get(timeout=wait)
+                    else:
+                        cmd = self._commands.get(block=False)
+                except queue.Empty:
+                    return True
             first = False
             if cmd is None:
                 return False
@@ -234,10 +268,7 @@ class AsyncLLM:
                 except Exception:
                     log.exception("engine-thread call failed")
             elif isinstance(cmd, _Add):
-                try:
-                    self.engine.add(cmd.request)
-                except Exception as exc:
-                    self._deliver(cmd.request.request_id, exc)
+                self._add(cmd.request)
             else:
                 live = self.engine.scheduler.requests
                 ended = [rid for rid in cmd.request_ids if rid not in live]

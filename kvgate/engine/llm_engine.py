@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,6 +155,11 @@ class LLMEngine:
         self.num_steps = 0
         self.last_batch_size = 0
         self.ledger = TenantLedger()
+        #: Called between two layers of every step (``AsyncLLM`` sets it: it takes in the
+        #: requests that arrived meanwhile and may call ``step_urgent``). None: not called.
+        self.between_layers: Callable[[], None] | None = None
+        self._in_step = False
+        self._urgent_ran = False
 
     # ------------------------------------------------------------------ set-up helpers
     def _resolve_max_model_len(self) -> int:
@@ -281,9 +286,42 @@ class LLMEngine:
                 if not decodes
                 else "mixed"
             )
+        self._in_step, self._urgent_ran = True, False
+        try:
+            return self._run(sched, stats, t0, self.between_layers)
+        finally:
+            self._in_step = False
+
+    def step_urgent(self) -> list[RequestOutput]:
+        """Between two layers of the step in flight: run the prefill of a request the policy
+        calls urgent now, in a step of its own (``Scheduler.schedule_urgent``), and return
+        its outputs (its first token). At most once per step; [] when there is nothing to do.
+
+        Safe because the two steps share nothing: the urgent one takes only free blocks, and
+        the step in flight resumes with its own activations and block tables. Aborts must
+        wait for the step in flight to end (its blocks are in use), so only additions may
+        have been applied meanwhile.
+        """
+        if not self._in_step or self._urgent_ran:
+            return []
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule_urgent()
+        if sched is None:
+            return []
+        self._urgent_ran = True
+        stats = IterationStats(phase="prefill", batch_size=1, inside_step=True)
+        return self._run(sched, stats, t0, None)
+
+    def _run(
+        self,
+        sched: SchedulerOutput,
+        stats: IterationStats,
+        t0: float,
+        between_layers: Callable[[], None] | None,
+    ) -> list[RequestOutput]:
         stats.num_batched_tokens = sched.num_batched_tokens
         try:
-            runner_out = self.runner.execute(sched)
+            runner_out = self.runner.execute(sched, between_layers)
         except Exception as exc:  # a failed step fails its requests, never the engine loop
             log.exception("model step failed; failing its %d requests", len(sched.sequences))
             outputs = self._fail_step(sched, exc, stats)

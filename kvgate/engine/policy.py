@@ -5,7 +5,9 @@ owns the waiting queue and decides order and entitlement:
 
 - ``pick``: which waiting request is tried next;
 - ``may_hold``: whether a tenant may hold that many KV blocks (its ceiling);
-- ``victim``: whom to preempt when a request needs room.
+- ``victim``: whom to preempt when a request needs room;
+- ``urgent``: which waiting request may run inside the step in flight, between two of its
+  layers, rather than wait for the step to end.
 
 ``FifoPolicy`` is arrival order, newest running request preempted first: what tenant-blind
 engines do. ``TenantFairPolicy`` adds strict priority between classes, weighted fair sharing
@@ -61,6 +63,11 @@ class SchedulingPolicy(Protocol):
     def running_order(self, running: Sequence[Request]) -> list[Request]:
         """Running requests that get this step's budget, in order (once per step, first).
         Requests left out wait this step without losing their place."""
+        ...
+
+    def urgent(self, running: Sequence[Request]) -> Request | None:
+        """A waiting request that should not wait for the step in flight to end: the engine
+        runs its prefill between two layers of that step. None: nobody is that urgent."""
         ...
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
@@ -120,6 +127,9 @@ class FifoPolicy:
 
     def running_order(self, running: Sequence[Request]) -> list[Request]:
         return list(running)
+
+    def urgent(self, running: Sequence[Request]) -> Request | None:
+        return None  # arrival order: nobody jumps the step in flight either
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
         return True
@@ -242,21 +252,21 @@ class TenantFairPolicy:
 
     # ------------------------------------------------------------------ entitlement
     def running_order(self, running: Sequence[Request]) -> list[Request]:
-        """By priority; but a tenant back from idle gets its first prefill in a step of its own.
+        """By priority; but a tenant owed service gets its next prefill in a step of its own.
 
         A quiet tenant's time to first token is what it feels: a step it shares with a full
         batch of another tenant's decodes takes several times longer than its prefill alone.
-        So when a tenant with nothing running has a request waiting and is entitled to go
-        first (no lower class, no higher virtual time than anyone running), the running
-        requests of its class and below sit out one step. Never two steps in a row, so a
-        stream of newcomers cannot starve running work.
+        So when a tenant owed service (``_owed_tenant``: back from idle, or light beside a
+        flooder) has a request waiting, the running requests of its class and below sit out
+        one step. Never two steps in a row, so a stream of newcomers cannot starve running
+        work.
         """
         ordered = sorted(running, key=lambda r: self.share(r.tenant).priority)  # stable
         self._exclusive = None
         if self._exclusive_last_step:
             self._exclusive_last_step = False
             return ordered
-        newcomer = self._returning_tenant(ordered)
+        newcomer = self._owed_tenant(ordered)
         if newcomer is None:
             return ordered
         self._exclusive = newcomer
@@ -264,19 +274,41 @@ class TenantFairPolicy:
         priority = self.share(newcomer).priority
         return [r for r in ordered if self.share(r.tenant).priority < priority]
 
-    def _returning_tenant(self, running: Sequence[Request]) -> str | None:
+    def urgent(self, running: Sequence[Request]) -> Request | None:
+        """The request ``running_order`` would give a step of its own need not wait for the
+        step in flight either: a full step of other tenants' work can take longer than its
+        whole prefill. Same rule against starving running work: never right after such a
+        step, and the next step is a normal one."""
+        if self._exclusive_last_step:
+            return None
+        tenant = self._owed_tenant(running)
+        if tenant is None:
+            return None
+        self._exclusive_last_step = True
+        return self._queues[tenant][0]
+
+    def _owed_tenant(self, running: Sequence[Request]) -> str | None:
+        """A tenant owed service, with a fresh request waiting: some other tenant is running,
+        and this one is of no lower class than anything running and has been served no more
+        (virtual time) than any other running tenant. Either back from idle (it starts level
+        with the least served), or light: running something but with no backlog, so a tenant
+        saturating the engine (always a queue) never qualifies while it runs."""
         if not running:
             return None
+        top = min(self.share(r.tenant).priority for r in running)
         busy = {r.tenant for r in running}
-        floor = min(self.vtime.get(t, 0.0) for t in busy)
-        top = min(self.share(t).priority for t in busy)
         best: tuple[int, float, int] | None = None
         found = None
         for tenant, queue in self._queues.items():
-            if tenant in busy or queue[0].num_preemptions:
-                continue  # only a tenant with nothing running, not a preempted request
+            if queue[0].num_preemptions:
+                continue  # a preempted request waits its turn
+            if tenant in busy and len(queue) > 1:
+                continue  # a backlog: fair shares, not a step of its own
+            others = [self.vtime.get(r.tenant, 0.0) for r in running if r.tenant != tenant]
+            if not others:
+                continue  # nobody else to be protected from
             key = (self.share(tenant).priority, self.vtime.get(tenant, 0.0), self._order(queue[0]))
-            if key[0] <= top and key[1] <= floor and (best is None or key < best):
+            if key[0] <= top and key[1] <= min(others) and (best is None or key < best):
                 best, found = key, tenant
         return found
 

@@ -5,6 +5,7 @@ With the model, the only tensor code in the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +70,10 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.states: dict[str, _RequestState] = {}
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> RunnerOutput:
+        """Run one step. ``between_layers``: see ``LlamaModel.forward``."""
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
@@ -81,7 +85,9 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
 
         batch = self.build_batch(out.sequences)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self.model.forward(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
+        )
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])

@@ -59,6 +59,8 @@ class Scheduler:
         self.refused: list[Request] = []
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
+        #: Sequences ``schedule_urgent`` may run beyond ``max_num_seqs`` (see there).
+        self.urgent_headroom = max(1, config.max_num_seqs // 8)
         #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
         #: ceiling), "slot" (max_num_seqs, for a request of a higher class).
         self.preemptions_by_reason: dict[str, int] = {}
@@ -143,14 +145,7 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.request_id)
 
-        def need_of(request: Request, extra_blocks: int) -> Need | None:
-            """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
-            held = kv.tenant_blocks.get(request.tenant, 0)
-            if not policy.may_hold(request.tenant, held + extra_blocks):
-                return Need.QUOTA
-            if extra_blocks > kv.pool.num_free_blocks:
-                return Need.POOL
-            return None
+        need_of = self._need_of
 
         # Tenants that cannot admit more in this step: at their ceiling, or just preempted
         # (a request preempted in a step is never re-admitted in the same step).
@@ -254,6 +249,63 @@ class Scheduler:
             new_requests=tuple(new_requests),
             finished_request_ids=finished,
             preempted_request_ids=tuple(preempted),
+        )
+
+    def _need_of(self, request: Request, extra_blocks: int) -> Need | None:
+        """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
+        kv = self.kv_cache
+        held = kv.tenant_blocks.get(request.tenant, 0)
+        if not self.policy.may_hold(request.tenant, held + extra_blocks):
+            return Need.QUOTA
+        if extra_blocks > kv.pool.num_free_blocks:
+            return Need.POOL
+        return None
+
+    def schedule_urgent(self) -> SchedulerOutput | None:
+        """A step to run inside the step in flight, between two of its layers, for the one
+        waiting request the policy calls urgent (``policy.urgent``); None if there is none.
+
+        Only what cannot disturb the step in flight, from free blocks; nothing is preempted
+        and the step in flight's requests are left exactly as they are:
+
+        - the request's whole prompt, so it ends with the first token, of up to twice the
+          step's token budget (one longer step of its own delays the step in flight less
+          than two chunks queued behind full steps would delay the request);
+        - with every sequence slot taken, it may run over ``max_num_seqs`` (by at most
+          ``urgent_headroom``) only where a normal step would have preempted someone for its
+          slot (the policy names a victim); admissions then wait until the running count is
+          back under the limit.
+        """
+        candidate = self.policy.urgent(self.running)
+        if candidate is None:
+            return None
+        kv, cfg = self.kv_cache, self.config
+        hits, num_hit_tokens = kv.get_computed_blocks(candidate)
+        num_new = candidate.num_tokens - num_hit_tokens
+        if not 0 < num_new <= 2 * cfg.max_num_batched_tokens:
+            return None
+        extra = kv.num_blocks_to_add(candidate, num_new, hits)
+        if self._need_of(candidate, extra) is not None:
+            return None
+        if len(self.running) >= cfg.max_num_seqs and (
+            len(self.running) >= cfg.max_num_seqs + self.urgent_headroom
+            or self.policy.victim(
+                candidate, self.running, kv.tenant_blocks, Need.SLOT,
+                admitting=True, extra_blocks=extra,
+            ) is None
+        ):  # fmt: skip
+            return None
+        if not kv.allocate_slots(candidate, num_new, hits):
+            return None
+        new_requests: list[NewRequestData] = []
+        self._admit(candidate, num_hit_tokens, new_requests)
+        seq = self._sequence(candidate, num_new)
+        self.policy.on_scheduled(candidate, num_new)
+        return SchedulerOutput(
+            sequences=(seq,),
+            new_requests=tuple(new_requests),
+            finished_request_ids=frozenset(),
+            preempted_request_ids=(),
         )
 
     def _admit(

@@ -81,6 +81,9 @@ class IterationStats:
     num_batched_tokens: int = 0
     #: "prefill" (only prompt chunks), "decode" (only one-token decodes), "mixed", or "idle".
     phase: str = "idle"
+    #: Ran between two layers of another step (``LLMEngine.step_urgent``): its wall time is
+    #: also inside that step's ``step_seconds``.
+    inside_step: bool = False
     prompt_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     generation_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     time_to_first_tokens: list[float] = field(default_factory=list)
@@ -101,6 +104,8 @@ class TenantLedger:
     def record(self, stats: IterationStats, tenant_blocks: dict[str, int]) -> None:
         self.prompt_tokens.update(stats.prompt_tokens_by_tenant)
         self.generation_tokens.update(stats.generation_tokens_by_tenant)
+        if stats.inside_step:  # the enclosing step counts this wall time for every block
+            tenant_blocks = {}
         for tenant, blocks in tenant_blocks.items():
             held = self.block_seconds.get(tenant, 0.0)
             self.block_seconds[tenant] = held + blocks * stats.step_seconds

@@ -7,7 +7,7 @@ Hq / Hkv = query / KV heads, D = head dim, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -133,13 +133,20 @@ class LlamaModel:
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H]
-        """One step over the flat batch; returns final-normed hidden states."""
+        """One step over the flat batch; returns final-normed hidden states.
+
+        ``between_layers`` is called after every layer but the last: the engine may run a
+        whole other step there (for other sequences) and this one then carries on.
+        """
         eps = self.config.rms_norm_eps
         ops = self.ops
         residual = F.embedding(input_ids, self.embed)  # [T, H]; updated in place below
         h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i and between_layers is not None:
+                between_layers()
             q, k, v = ops.rope_write_kv(layer.qkv(h), positions, k_cache, v_cache, meta)
             attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
             h = ops.add_norm(layer.o(attn.reshape(-1, self.q_size)), residual, layer.post_norm, eps)

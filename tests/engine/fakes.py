@@ -23,8 +23,12 @@ class FakeRunner:
         self.block_size = block_size
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         self.steps.append(out)
+        if between_layers is not None:
+            between_layers()  # the real model calls it between each two of its layers
         for seq in out.sequences:
             # Every token of the step must have a slot in the sequence's block table.
             assert seq.context_len <= len(seq.block_ids) * self.block_size, seq

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,10 +184,12 @@ class _PoisonRunner:
         self.inner = inner
         self.poison = poison
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         if any(s.request_id == self.poison for s in out.sequences):
             raise RuntimeError("simulated kernel failure")
-        result: RunnerOutput = self.inner.execute(out)
+        result: RunnerOutput = self.inner.execute(out, between_layers)
         return result
 
     def __getattr__(self, name: str) -> Any:

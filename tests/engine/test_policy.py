@@ -22,9 +22,27 @@ def req(rid: str, tenant: str, prompt_len: int = 8, max_tokens: int = 8, **kw: o
     return Request(rid, prompt, params, tenant=tenant, **kw)  # type: ignore[arg-type]
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> None:
+def step(sched: Scheduler, runner: FakeRunner, urgent: bool = False) -> None:
+    """One engine step; ``urgent``: run ``schedule_urgent`` inside it, as the engine does
+    between two layers, checking that it never writes a block the step in flight writes."""
     out = sched.schedule()
-    sched.update(out, runner.execute(out))
+
+    def between_layers() -> None:
+        inner = sched.schedule_urgent()
+        if inner is None:
+            return
+        bs = sched.kv_cache.block_size
+        written = {
+            seq.block_ids[pos // bs]
+            for seq in out.sequences
+            for pos in range(seq.start_pos, seq.start_pos + seq.num_tokens)
+        }
+        (seq,) = inner.sequences
+        assert not written & set(seq.block_ids)
+        assert seq.sample  # its whole prompt: it ends with the first token
+        sched.update(inner, runner.execute(inner))
+
+    sched.update(out, runner.execute(out, between_layers if urgent else None))
 
 
 def fair(shares: dict[str, TenantShare]) -> TenantFairPolicy:
@@ -43,9 +61,10 @@ def fair(shares: dict[str, TenantShare]) -> TenantFairPolicy:
         max_size=60,
     ),
     seed=st.integers(0, 1000),
+    urgent=st.booleans(),
 )
 def test_quotas_are_never_exceeded(
-    ceilings: list[int], ops: list[tuple[int, int, int, bool]], seed: int
+    ceilings: list[int], ops: list[tuple[int, int, int, bool]], seed: int, urgent: bool
 ) -> None:
     tenants = [f"t{i}" for i in range(len(ceilings))]
     policy = fair(
@@ -63,13 +82,13 @@ def test_quotas_are_never_exceeded(
             live.append(f"r{i}")
         if abort and live:
             sched.finish_requests([live.pop(seed % len(live))], RequestStatus.FINISHED_ABORTED)
-        step(sched, runner)
+        step(sched, runner, urgent)
         for tenant, ceiling in zip(tenants, ceilings, strict=True):
             assert sched.kv_cache.tenant_blocks.get(tenant, 0) <= ceiling
     for _ in range(2000):
         if not sched.num_unfinished:
             break
-        step(sched, runner)
+        step(sched, runner, urgent)
         for tenant, ceiling in zip(tenants, ceilings, strict=True):
             assert sched.kv_cache.tenant_blocks.get(tenant, 0) <= ceiling
     assert not sched.num_unfinished, "a request that fits its ceiling never finished"
@@ -310,3 +329,48 @@ def test_a_request_over_a_lowered_ceiling_ends_instead_of_waiting_for_ever() -> 
     (ended,) = sched.refused
     assert ended.status == RequestStatus.FINISHED_ERROR and "kv_ceiling" in (ended.error or "")
     assert sched.kv_cache.pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ urgent steps
+
+
+def test_who_is_urgent() -> None:
+    """A tenant owed service (back from idle, or light beside a flooder) is; a tenant alone,
+    a flooder beside a lighter tenant, a lower class or a preempted request is not."""
+    policy = fair({"bulk": TenantShare(priority=BATCH)})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
+    runner = FakeRunner()
+    for i in range(3):
+        sched.add_request(req(f"f{i}", "flood", max_tokens=60))
+    step(sched, runner)
+    sched.add_request(req("f-waiting", "flood"))
+    assert policy.urgent(sched.running) is None  # nobody else is running: nothing is owed
+
+    sched.add_request(req("q1", "quiet"))
+    assert policy.urgent(sched.running) is sched.requests["q1"]  # back from idle
+    assert policy.urgent(sched.running) is None  # never twice before a normal step
+    step(sched, runner)  # q1 runs now (the step after an urgent one is a normal one)
+    assert sched.requests["q1"].status == RequestStatus.RUNNING
+    step(sched, runner)
+    sched.add_request(req("q2", "quiet"))
+    # quiet has a request running but has been served far less than the flooder: owed.
+    assert policy.urgent(sched.running) is sched.requests["q2"]
+
+    step(sched, runner)
+    sched.add_request(req("b", "bulk"))
+    assert policy.urgent(sched.running) is None  # a lower class never jumps ahead
+
+
+def test_urgent_step_takes_a_prompt_of_up_to_twice_the_budget() -> None:
+    policy = fair({})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16, policy=policy)
+    runner = FakeRunner()
+    sched.add_request(req("f", "flood", max_tokens=60))
+    step(sched, runner)
+    sched.add_request(req("long", "quiet", prompt_len=33))
+    assert sched.schedule_urgent() is None  # 33 > 2 x 16: it waits for normal steps
+    step(sched, runner)
+    step(sched, runner)
+    sched.add_request(req("fits", "quiet2", prompt_len=32))
+    out = sched.schedule_urgent()
+    assert out is not None and out.sequences[0].num_tokens == 32

@@ -1,0 +1,148 @@
+"""A quiet tenant's prefill run between two layers of a step in flight (``step_urgent``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.policy import FifoPolicy, SchedulingPolicy, TenantFairPolicy, TenantShare
+from kvgate.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+QUIET_PROMPT = list(range(300, 337))
+
+
+def _engine(tiny_llama_dir: Path, policy: SchedulingPolicy, max_num_seqs: int = 8) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            kv_cache_memory="32MiB",
+            max_model_len=512,
+            max_num_seqs=max_num_seqs,
+        ),
+        policy=policy,
+    )
+
+
+def _fair(quiet_guaranteed: int = 0) -> TenantFairPolicy:
+    return TenantFairPolicy(
+        {"quiet": TenantShare(guaranteed_blocks=quiet_guaranteed)}, TenantShare()
+    )
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _run(engine: LLMEngine, arrive_in_step: int | None) -> dict[str, list[RequestOutput]]:
+    """Two flooder requests; the quiet one arrives inside step ``arrive_in_step`` (between
+    its layers, as ``AsyncLLM`` adds requests) or, when None, alone on an idle engine."""
+    outs: dict[str, list[RequestOutput]] = {}
+    inside: list[tuple[int, list[RequestOutput]]] = []
+    step = 0
+
+    def between_layers() -> None:
+        if step == arrive_in_step and not inside:
+            engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
+            inside.append((step, engine.step_urgent()))
+
+    engine.between_layers = between_layers
+    if arrive_in_step is None:
+        engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
+    else:
+        for i in range(2):
+            prompt = list(range(100 + 40 * i, 160 + 40 * i))
+            engine.add(engine.make_request(f"flood-{i}", prompt, GREEDY, tenant="flooder"))
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        step += 1
+    for _, urgent in inside:
+        for o in urgent:
+            outs.setdefault(o.request_id, []).insert(0, o)
+    outs["_inside"] = [o for _, urgent in inside for o in urgent]
+    return outs
+
+
+def test_quiet_request_gets_its_first_token_inside_the_step_in_flight(
+    tiny_llama_dir: Path,
+) -> None:
+    solo = _run(_engine(tiny_llama_dir, _fair()), arrive_in_step=None)
+    undisturbed = _run(_engine(tiny_llama_dir, _fair()), arrive_in_step=-1)  # never arrives
+    engine = _engine(tiny_llama_dir, _fair())
+    mixed = _run(engine, arrive_in_step=2)  # the flooders are decoding by then
+
+    # Its first token came out of the urgent step, before the step in flight ended.
+    assert [o.request_id for o in mixed["_inside"]] == ["quiet"]
+    assert len(mixed["_inside"][0].new_token_ids) == 1
+    # Nothing was disturbed: the interrupted step resumed from its own activations.
+    assert _tokens(mixed["quiet"]) == _tokens(solo["quiet"])
+    for rid in ("flood-0", "flood-1"):
+        assert _tokens(mixed[rid]) == _tokens(undisturbed[rid])
+        assert mixed[rid][-1].finish_reason == "length"
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_at_most_one_urgent_step_per_step_and_never_with_fifo(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, FifoPolicy())
+    assert _run(engine, arrive_in_step=2)["_inside"] == []  # FIFO: nobody jumps the step
+
+    engine = _engine(tiny_llama_dir, _fair())
+    engine.add(engine.make_request("flood", list(range(100, 140)), GREEDY, tenant="flooder"))
+    engine.step()
+    urgent_outputs: list[list[Any]] = []
+
+    def between_layers() -> None:
+        for i in range(2):
+            rid = f"quiet-{len(urgent_outputs)}-{i}"
+            engine.add(engine.make_request(rid, QUIET_PROMPT, GREEDY, tenant=f"quiet{i}"))
+        urgent_outputs.append(engine.step_urgent())
+
+    engine.between_layers = between_layers
+    engine.step()
+    assert sum(len(o) for o in urgent_outputs) == 1  # one urgent step, then never again
+    assert engine.step_urgent() == []  # outside a step: nothing runs
+
+
+@pytest.mark.parametrize("guaranteed", [0, 64])
+def test_with_every_slot_taken_it_runs_one_over_only_where_it_could_preempt(
+    tiny_llama_dir: Path, guaranteed: int
+) -> None:
+    """max_num_seqs full of a flooder: a normal step would preempt one for a tenant within
+    its guarantee; the urgent step cannot preempt, so it runs one over the limit instead.
+    Without a guarantee, the quiet request waits as it would in a normal step."""
+    engine = _engine(tiny_llama_dir, _fair(guaranteed), max_num_seqs=2)
+    for i in range(2):
+        prompt = list(range(100 + 50 * i, 140 + 50 * i))
+        engine.add(engine.make_request(f"flood-{i}", prompt, GREEDY, tenant="flooder"))
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    got: list[RequestOutput] = []
+
+    def between_layers() -> None:
+        if not engine.scheduler.requests.get("quiet"):
+            engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
+            got.extend(engine.step_urgent())
+
+    engine.between_layers = between_layers
+    engine.step()
+    if guaranteed:
+        assert [o.request_id for o in got] == ["quiet"]
+        assert len(engine.scheduler.running) == 3
+        engine.add(engine.make_request("late", list(range(50, 60)), GREEDY, tenant="flooder"))
+        engine.between_layers = None
+        engine.step()  # over the limit: no admission until a running request ends
+        assert engine.scheduler.requests["late"].first_scheduled_time is None
+    else:
+        assert got == []
+        assert len(engine.scheduler.running) == 2
+    engine.between_layers = None
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv_cache.pool.num_used_blocks == 0
