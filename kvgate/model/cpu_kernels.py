@@ -42,6 +42,7 @@ _FLAGS = {
         "-freciprocal-math",
     ],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
+    "linear_bf16.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 
 
@@ -186,3 +187,9 @@ def load_paged_decode() -> PagedDecodeKernel | None:
 def load_fused_ops_lib() -> ctypes.CDLL | None:
     """The compiled bf16 element-wise kernels (see ``model/ops.py``), or None."""
     return _load("fused_ops.c")
+
+
+@functools.cache
+def load_linear_lib() -> ctypes.CDLL | None:
+    """The compiled bf16 linear for few rows (see ``model/linear.py``), or None."""
+    return _load("linear_bf16.c")

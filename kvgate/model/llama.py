@@ -53,6 +53,7 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self._pack = should_pack(device, dtype)
+        self._native = fused_ops  # the compiled kernels (linear, element-wise) may be used
         self._num_params = 0
 
         self.embed = self._take(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
@@ -60,7 +61,7 @@ class LlamaModel:
             lm_head = self.embed
         else:
             lm_head = self._take(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = make_linear(lm_head, None, pack=self._pack)
+        self.lm_head = make_linear(lm_head, None, pack=self._pack, native=self._native)
         self.final_norm = self._take(weights, "model.norm.weight", (c.hidden_size,))
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(
@@ -112,11 +113,15 @@ class LlamaModel:
         down = self._take(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
         return LayerWeights(
             input_norm=self._take(weights, p + "input_layernorm.weight", (h,)),
-            qkv=make_linear(torch.cat([q, k, v]).contiguous(), bias, pack=self._pack),
-            o=make_linear(o, None, pack=self._pack),
+            qkv=make_linear(
+                torch.cat([q, k, v]).contiguous(), bias, pack=self._pack, native=self._native
+            ),
+            o=make_linear(o, None, pack=self._pack, native=self._native),
             post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=make_linear(torch.cat([gate, up]).contiguous(), None, pack=self._pack),
-            down=make_linear(down, None, pack=self._pack),
+            gate_up=make_linear(
+                torch.cat([gate, up]).contiguous(), None, pack=self._pack, native=self._native
+            ),
+            down=make_linear(down, None, pack=self._pack, native=self._native),
         )
 
     def num_parameters(self) -> int:
