@@ -68,9 +68,13 @@ def _build(name: str) -> Path | None:
     if cc is None:
         log.info("no C compiler found; using the PyTorch path")
         return None
-    source = resources.files("kvgate.model").joinpath("csrc", name).read_text()
+    csrc = resources.files("kvgate.model").joinpath("csrc")
+    source = csrc.joinpath(name).read_text()
+    # Shared headers travel with every source (and are part of what the cache key covers).
+    headers = {h.name: h.read_text() for h in csrc.iterdir() if h.name.endswith(".h")}
     flags = _FLAGS[name]
-    key = hashlib.sha256((source + " ".join(flags) + _cpu_signature()).encode()).hexdigest()[:16]
+    signature = source + "".join(headers.values()) + " ".join(flags) + _cpu_signature()
+    key = hashlib.sha256(signature.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name.removesuffix('.c')}-{key}.so"
     if target.exists():
         return target
@@ -78,6 +82,8 @@ def _build(name: str) -> Path | None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / name
         src.write_text(source)
+        for header, text in headers.items():
+            (Path(tmp) / header).write_text(text)
         out = Path(tmp) / target.name
         proc = subprocess.run(
             [cc, *flags, str(src), "-o", str(out), "-lm"],

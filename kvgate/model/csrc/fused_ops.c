@@ -31,26 +31,10 @@ static inline float r(float f) { return ld(st(f)); } /* round a float to bf16 pr
 #include <immintrin.h>
 #define HAVE_AVX512BF16 1
 
-static inline __m512 ld16(const uint16_t* p) { /* 16 bf16 -> f32 (exact: a shift) */
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-/* f32 -> bf16 bits, nearest even, exactly as st() (and torch) round. Not the AVX512-BF16
- * conversion instruction: it flushes subnormal inputs and results to zero; torch does not. */
-static inline __m256i to_bf16_16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i b = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    b = _mm512_mask_mov_epi32(
-        b, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(b);
-}
+#include "bf16_avx512.h"
 
 static inline __m512 round16(__m512 x) { /* f32 -> nearest-even bf16 -> f32, as torch rounds */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(x)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round(x)), 16));
 }
 
 /* The vector twin of rotate(): D % 32 == 0, 16 lanes at a time; roll(x, D/2) swaps halves. */
@@ -59,9 +43,9 @@ static inline void rotate16(const uint16_t* x, const uint16_t* cos, const uint16
     const int half = D / 2;
     for (int c = 0; c < D; c += 16) {
         const int rc = (c + half) % D;
-        const __m512 a = round16(_mm512_mul_ps(ld16(x + c), ld16(cos + c)));
-        const __m512 b = round16(_mm512_mul_ps(ld16(x + rc), ld16(sin_signed + c)));
-        _mm256_storeu_si256((__m256i*)(out + c), to_bf16_16(_mm512_add_ps(a, b)));
+        const __m512 a = round16(_mm512_mul_ps(bf16x16_load(x + c), bf16x16_load(cos + c)));
+        const __m512 b = round16(_mm512_mul_ps(bf16x16_load(x + rc), bf16x16_load(sin_signed + c)));
+        _mm256_storeu_si256((__m256i*)(out + c), bf16x16_round(_mm512_add_ps(a, b)));
     }
 }
 #endif
@@ -140,11 +124,11 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int T, int I) {
         int i = 0;
 #ifdef HAVE_AVX512BF16
         for (; i + 16 <= I; i += 16) {
-            const __m512 x = ld16(g + i);
+            const __m512 x = bf16x16_load(g + i);
             const __m512 e = exp_sleef16(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 silu = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
             _mm256_storeu_si256((__m256i*)(o + i),
-                                to_bf16_16(_mm512_mul_ps(silu, ld16(u + i))));
+                                bf16x16_round(_mm512_mul_ps(silu, bf16x16_load(u + i))));
         }
 #endif
         for (; i < I; ++i) {

@@ -17,21 +17,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline __m256i to_bf16(__m512 x) { /* nearest even, no flush of subnormals */
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i b = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    b = _mm512_mask_mov_epi32(
-        b, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(b);
-}
-
-static inline __m512 bias16(const uint16_t* b) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)b)), 16));
-}
+#include "bf16_avx512.h"
 
 /* One panel, ROWS rows of x starting at x: acc[r][h] is columns 16h..16h+15 of row r. */
 #define DEFINE_TILE(ROWS)                                                                     \
@@ -52,9 +38,9 @@ static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* pan
     }                                                                                         \
     for (int r = 0; r < ROWS; ++r) {                                                          \
         __m512 lo = acc[r][0], hi = acc[r][1];                                                \
-        if (bias) { lo = _mm512_add_ps(lo, bias16(bias)); hi = _mm512_add_ps(hi, bias16(bias + 16)); } \
-        _mm256_storeu_si256((__m256i*)(y + r * N), to_bf16(lo));                              \
-        _mm256_storeu_si256((__m256i*)(y + r * N + 16), to_bf16(hi));                         \
+        if (bias) { lo = _mm512_add_ps(lo, bf16x16_load(bias)); hi = _mm512_add_ps(hi, bf16x16_load(bias + 16)); } \
+        _mm256_storeu_si256((__m256i*)(y + r * N), bf16x16_round(lo));                              \
+        _mm256_storeu_si256((__m256i*)(y + r * N + 16), bf16x16_round(hi));                         \
     }                                                                                         \
 }
 
