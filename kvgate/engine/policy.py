@@ -296,7 +296,10 @@ class TenantFairPolicy:
         if not running:
             return None
         top = min(self.share(r.tenant).priority for r in running)
-        busy = {r.tenant for r in running}
+        busy = {r.tenant: self.vtime.get(r.tenant, 0.0) for r in running}
+        # The two least-served running tenants: the least served other than any one tenant
+        # is among them (called between layers, so linear in running + tenants, no more).
+        least = sorted(busy.items(), key=lambda item: item[1])[:2]
         best: tuple[int, float, int] | None = None
         found = None
         for tenant, queue in self._queues.items():
@@ -304,11 +307,11 @@ class TenantFairPolicy:
                 continue  # a preempted request waits its turn
             if tenant in busy and len(queue) > 1:
                 continue  # a backlog: fair shares, not a step of its own
-            others = [self.vtime.get(r.tenant, 0.0) for r in running if r.tenant != tenant]
+            others = [vt for t, vt in least if t != tenant]
             if not others:
                 continue  # nobody else to be protected from
             key = (self.share(tenant).priority, self.vtime.get(tenant, 0.0), self._order(queue[0]))
-            if key[0] <= top and key[1] <= min(others) and (best is None or key < best):
+            if key[0] <= top and key[1] <= others[0] and (best is None or key < best):
                 best, found = key, tenant
         return found
 
