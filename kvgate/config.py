@@ -78,6 +78,10 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
+    #: Sequences that may run beyond ``max_num_seqs``, only for requests that would otherwise
+    #: preempt running work for a slot (see ``engine/scheduler.py``); None: max_num_seqs // 8,
+    #: at least 1; 0: such requests always preempt.
+    num_spare_seqs: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -94,6 +98,15 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfig(f"{name} must be a positive integer, got {value!r}", param=name)
+        if self.num_spare_seqs is not None and (
+            isinstance(self.num_spare_seqs, bool)
+            or not isinstance(self.num_spare_seqs, int)
+            or self.num_spare_seqs < 0
+        ):
+            raise InvalidConfig(
+                f"num_spare_seqs must be a non-negative integer, got {self.num_spare_seqs!r}",
+                param="num_spare_seqs",
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise InvalidConfig(
                 f"max_model_len must be positive, got {self.max_model_len}", param="max_model_len"

@@ -141,6 +141,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                num_spare_seqs=config.num_spare_seqs,
             ),
             self.kv_cache,
             policy,

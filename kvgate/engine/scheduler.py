@@ -5,6 +5,13 @@ with its known tokens, within a per-step token budget. Running requests go first
 are never starved by new prompts), then waiting ones in arrival order. When the pool runs
 out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (mostly from the prefix cache).
+
+Spare slots: beyond ``max_num_seqs``, up to ``num_spare_seqs`` more sequences (by default
+``max_num_seqs // 8``, at least 1) may run, but only requests the policy would preempt
+someone for (a higher class, a tenant taking back its guarantee) take them, and they keep
+them until they end. Preempting would throw away the victim's work and give the slot straight
+back to the newcomer; running one more sequence costs a batch row. Only when the spare slots
+are taken does a slot preemption happen.
 """
 
 from __future__ import annotations
@@ -31,11 +38,15 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     max_model_len: int = 8192
+    #: None: ``max_num_seqs // 8``, at least 1 (see the module docstring).
+    num_spare_seqs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_spare_seqs is not None and self.num_spare_seqs < 0:
+            raise ValueError(f"num_spare_seqs must be >= 0, got {self.num_spare_seqs}")
 
 
 class Scheduler:
@@ -59,8 +70,14 @@ class Scheduler:
         self.refused: list[Request] = []
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
-        #: Sequences ``schedule_urgent`` may run beyond ``max_num_seqs`` (see there).
-        self.urgent_headroom = max(1, config.max_num_seqs // 8)
+        #: Sequences that may run beyond ``max_num_seqs`` (see the module docstring), and the
+        #: ids of the running requests that hold them.
+        self.num_spare_slots = (
+            max(1, config.max_num_seqs // 8)
+            if config.num_spare_seqs is None
+            else config.num_spare_seqs
+        )
+        self.spare: set[str] = set()
         #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
         #: ceiling), "slot" (max_num_seqs, for a request of a higher class).
         self.preemptions_by_reason: dict[str, int] = {}
@@ -117,6 +134,7 @@ class Scheduler:
         return ended + self.finish_requests(late, RequestStatus.FINISHED_DEADLINE)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
+        self.spare.discard(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
@@ -205,16 +223,20 @@ class Scheduler:
             if grew_by_preempting and victim_for(Need.POOL) is None:
                 blocked.add(candidate.tenant)
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
-                victim = victim_for(Need.SLOT)
-                if victim is None:
+            spare = False
+            if self._slots_full():
+                if victim_for(Need.SLOT) is None:
                     break
-                preempt(victim, Need.SLOT)
-                blocked.add(victim.tenant)
-                continue
+                if len(self.spare) >= self.num_spare_slots:
+                    victim = victim_for(Need.SLOT)
+                    assert victim is not None
+                    preempt(victim, Need.SLOT)
+                    blocked.add(victim.tenant)
+                    continue
+                spare = True
             need = need_of(candidate, extra)
             if need is None and kv.allocate_slots(candidate, num_new, hits):
-                self._admit(candidate, num_hit_tokens, new_requests)
+                self._admit(candidate, num_hit_tokens, new_requests, spare)
                 scheduled[candidate.request_id] = self._sequence(candidate, num_new)
                 budget -= num_new
                 continue
@@ -251,6 +273,10 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
         )
 
+    def _slots_full(self) -> bool:
+        """Every one of the ``max_num_seqs`` regular slots is taken."""
+        return len(self.running) - len(self.spare) >= self.config.max_num_seqs
+
     def _need_of(self, request: Request, extra_blocks: int) -> Need | None:
         """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
         kv = self.kv_cache
@@ -271,10 +297,9 @@ class Scheduler:
         - the request's whole prompt, so it ends with the first token, of up to twice the
           step's token budget (one longer step of its own delays the step in flight less
           than two chunks queued behind full steps would delay the request);
-        - with every sequence slot taken, it may run over ``max_num_seqs`` (by at most
-          ``urgent_headroom``) only where a normal step would have preempted someone for its
-          slot (the policy names a victim); admissions then wait until the running count is
-          back under the limit.
+        - with every regular sequence slot taken, it takes a spare slot, as a normal step
+          would, and only where a normal step would (the policy names a victim); with none
+          spare it does not run (a normal step would have preempted for it).
         """
         candidate = self.policy.urgent(self.running)
         if candidate is None:
@@ -287,8 +312,9 @@ class Scheduler:
         extra = kv.num_blocks_to_add(candidate, num_new, hits)
         if self._need_of(candidate, extra) is not None:
             return None
-        if len(self.running) >= cfg.max_num_seqs and (
-            len(self.running) >= cfg.max_num_seqs + self.urgent_headroom
+        spare = self._slots_full()
+        if spare and (
+            len(self.spare) >= self.num_spare_slots
             or self.policy.victim(
                 candidate, self.running, kv.tenant_blocks, Need.SLOT,
                 admitting=True, extra_blocks=extra,
@@ -298,7 +324,7 @@ class Scheduler:
         if not kv.allocate_slots(candidate, num_new, hits):
             return None
         new_requests: list[NewRequestData] = []
-        self._admit(candidate, num_hit_tokens, new_requests)
+        self._admit(candidate, num_hit_tokens, new_requests, spare)
         seq = self._sequence(candidate, num_new)
         self.policy.on_scheduled(candidate, num_new)
         return SchedulerOutput(
@@ -309,8 +335,13 @@ class Scheduler:
         )
 
     def _admit(
-        self, request: Request, num_hit_tokens: int, new_requests: list[NewRequestData]
+        self,
+        request: Request,
+        num_hit_tokens: int,
+        new_requests: list[NewRequestData],
+        spare: bool = False,
     ) -> None:
+        """``spare``: it runs in a spare slot, until it ends or is preempted."""
         self.policy.remove(request)
         self.kv_cache.record_prefix_lookup(request.tenant, request.num_tokens, num_hit_tokens)
         request.num_computed_tokens = num_hit_tokens
@@ -320,6 +351,8 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if spare:
+            self.spare.add(request.request_id)
         if request.request_id not in self._sent_to_runner:
             self._sent_to_runner.add(request.request_id)
             new_requests.append(
@@ -340,6 +373,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        self.spare.discard(request.request_id)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

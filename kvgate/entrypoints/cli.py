@@ -33,6 +33,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument(
+        "--num-spare-seqs",
+        type=int,
+        default=None,
+        help="sequences that may run beyond --max-num-seqs, only for requests that would "
+        "otherwise preempt running work for a slot (a higher class, a tenant taking back its "
+        "guarantee); default max-num-seqs/8, at least 1; 0: they preempt",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None)
@@ -63,6 +71,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        num_spare_seqs=a.num_spare_seqs,
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,

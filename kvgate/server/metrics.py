@@ -66,6 +66,11 @@ class EngineCollector(Collector):
         )
         yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", len(sched.waiting))
         yield gauge(
+            "kvgate:num_requests_running_spare",
+            "Running requests in spare slots beyond max_num_seqs (instead of preempting).",
+            len(sched.spare),
+        )
+        yield gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
             pool.num_used_blocks / max(pool.num_blocks, 1),

@@ -135,6 +135,9 @@ def test_bad_engine_settings(tiny_llama_dir: Path) -> None:
     with pytest.raises(InvalidConfig) as err:
         EngineConfig(kv_cache_memory="lots")
     assert err.value.param == "kv_cache_memory"
+    with pytest.raises(InvalidConfig) as err:
+        EngineConfig(num_spare_seqs=-1)
+    assert err.value.param == "num_spare_seqs"
     with pytest.raises(KVCacheTooSmall, match="max_model_len"):
         LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="4KiB"))
     with pytest.raises(InvalidConfig) as err:

@@ -55,6 +55,8 @@ def fair(shares: dict[str, TenantShare]) -> TenantFairPolicy:
 @settings(max_examples=60, deadline=None)
 @given(
     ceilings=st.lists(st.integers(2, 24), min_size=2, max_size=4),
+    classes=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    guarantees=st.lists(st.integers(0, 12), min_size=4, max_size=4),
     ops=st.lists(
         st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 20), st.booleans()),
         min_size=5,
@@ -63,14 +65,33 @@ def fair(shares: dict[str, TenantShare]) -> TenantFairPolicy:
     seed=st.integers(0, 1000),
     urgent=st.booleans(),
 )
-def test_quotas_are_never_exceeded(
-    ceilings: list[int], ops: list[tuple[int, int, int, bool]], seed: int, urgent: bool
+def test_quotas_and_slots_are_never_exceeded(
+    ceilings: list[int],
+    classes: list[int],
+    guarantees: list[int],
+    ops: list[tuple[int, int, int, bool]],
+    seed: int,
+    urgent: bool,
 ) -> None:
+    """Random load of tenants of random classes and guarantees (so priority and guarantee
+    preemptions, spare slots and urgent steps all happen): no tenant ever holds more than
+    its ceiling, and no more than max_num_seqs run in regular slots plus the spare ones."""
     tenants = [f"t{i}" for i in range(len(ceilings))]
     policy = fair(
-        {t: TenantShare(ceiling_blocks=c) for t, c in zip(tenants, ceilings, strict=True)}
+        {
+            t: TenantShare(priority=p, guaranteed_blocks=min(g, c), ceiling_blocks=c)
+            for t, c, p, g in zip(tenants, ceilings, classes, guarantees, strict=False)
+        }
     )
     sched = make_scheduler(num_blocks=48, block_size=4, max_num_seqs=6, policy=policy)
+
+    def check() -> None:
+        for tenant, ceiling in zip(tenants, ceilings, strict=True):
+            assert sched.kv_cache.tenant_blocks.get(tenant, 0) <= ceiling
+        running = {r.request_id for r in sched.running}
+        assert sched.spare <= running
+        assert len(running) - len(sched.spare) <= 6 and len(sched.spare) <= sched.num_spare_slots
+
     runner = FakeRunner(seed=seed)
     live: list[str] = []
     for i, (t, prompt_len, max_tokens, abort) in enumerate(ops):
@@ -83,14 +104,12 @@ def test_quotas_are_never_exceeded(
         if abort and live:
             sched.finish_requests([live.pop(seed % len(live))], RequestStatus.FINISHED_ABORTED)
         step(sched, runner, urgent)
-        for tenant, ceiling in zip(tenants, ceilings, strict=True):
-            assert sched.kv_cache.tenant_blocks.get(tenant, 0) <= ceiling
+        check()
     for _ in range(2000):
         if not sched.num_unfinished:
             break
         step(sched, runner, urgent)
-        for tenant, ceiling in zip(tenants, ceilings, strict=True):
-            assert sched.kv_cache.tenant_blocks.get(tenant, 0) <= ceiling
+        check()
     assert not sched.num_unfinished, "a request that fits its ceiling never finished"
     assert sched.kv_cache.tenant_blocks == {}
     sched.kv_cache.pool.check_invariants()
@@ -135,15 +154,48 @@ def test_critical_request_preempts_batch_work_when_blocks_run_short() -> None:
     assert not sched.num_unfinished
 
 
-def test_critical_request_takes_a_sequence_slot_from_batch_work() -> None:
+def test_critical_request_takes_a_spare_slot_then_one_from_batch_work() -> None:
+    """Every slot taken by batch work: the first critical request runs in the spare slot
+    (nobody's work is thrown away); with the spare taken, the next one preempts batch work."""
     policy = fair({"crit": TenantShare(priority=CRITICAL), "bulk": TenantShare(priority=BATCH)})
     sched = make_scheduler(num_blocks=64, max_num_seqs=2, policy=policy)
+    assert sched.num_spare_slots == 1
     sched.add_request(req("b0", "bulk"))
     sched.add_request(req("b1", "bulk"))
     step(sched, FakeRunner())
-    sched.add_request(req("c", "crit"))
+    sched.add_request(req("c0", "crit"))
     out = sched.schedule()
-    assert "c" in {s.request_id for s in out.sequences} and len(out.preempted_request_ids) == 1
+    assert "c0" in {s.request_id for s in out.sequences} and not out.preempted_request_ids
+    assert sched.spare == {"c0"} and len(sched.running) == 3
+    sched.update(out, FakeRunner().execute(out))
+    sched.add_request(req("c1", "crit"))
+    out = sched.schedule()
+    assert "c1" in {s.request_id for s in out.sequences} and len(out.preempted_request_ids) == 1
+    assert sched.preemptions_by_reason == {"slot": 1} and len(sched.running) == 3
+
+
+def test_a_spare_slot_is_held_until_its_request_ends() -> None:
+    """While the critical request runs in the spare slot, batch work keeps all max_num_seqs
+    regular slots: a batch request that ends is replaced by the next one."""
+    policy = fair({"crit": TenantShare(priority=CRITICAL), "bulk": TenantShare(priority=BATCH)})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=64, policy=policy)
+    runner = FakeRunner()
+    for i in range(6):
+        sched.add_request(req(f"b{i}", "bulk", max_tokens=3 + i))
+    step(sched, runner)
+    sched.add_request(req("c", "crit", max_tokens=30))
+    step(sched, runner)  # the critical request's prefill, a step of its own
+    assert sched.spare == {"c"}
+    for _ in range(12):
+        out = sched.schedule()
+        bulk = [s.request_id for s in out.sequences if s.request_id.startswith("b")]
+        assert len(bulk) == 2 and sched.spare == {"c"}, out.sequences
+        sched.update(out, runner.execute(out))
+    for _ in range(100):
+        if "c" not in sched.requests:
+            break
+        step(sched, runner)
+    assert sched.spare == set() and len(sched.running) <= 2
 
 
 def test_idle_share_is_lent_then_taken_back() -> None:

@@ -114,8 +114,8 @@ def test_at_most_one_urgent_step_per_step_and_never_with_fifo(tiny_llama_dir: Pa
 def test_with_every_slot_taken_it_runs_one_over_only_where_it_could_preempt(
     tiny_llama_dir: Path, guaranteed: int
 ) -> None:
-    """max_num_seqs full of a flooder: a normal step would preempt one for a tenant within
-    its guarantee; the urgent step cannot preempt, so it runs one over the limit instead.
+    """max_num_seqs full of a flooder: for a tenant within its guarantee a normal step would
+    take the spare slot; so does the urgent step, and the flooder keeps its max_num_seqs.
     Without a guarantee, the quiet request waits as it would in a normal step."""
     engine = _engine(tiny_llama_dir, _fair(guaranteed), max_num_seqs=2)
     for i in range(2):
@@ -134,10 +134,10 @@ def test_with_every_slot_taken_it_runs_one_over_only_where_it_could_preempt(
     engine.step()
     if guaranteed:
         assert [o.request_id for o in got] == ["quiet"]
-        assert len(engine.scheduler.running) == 3
+        assert len(engine.scheduler.running) == 3 and engine.scheduler.spare == {"quiet"}
         engine.add(engine.make_request("late", list(range(50, 60)), GREEDY, tenant="flooder"))
         engine.between_layers = None
-        engine.step()  # over the limit: no admission until a running request ends
+        engine.step()  # regular slots full: no admission until a flooder request ends
         assert engine.scheduler.requests["late"].first_scheduled_time is None
     else:
         assert got == []

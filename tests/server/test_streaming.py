@@ -72,6 +72,7 @@ def test_dropped_streams_free_their_blocks_at_once(live_server: LiveServer) -> N
         time.sleep(0.02)
     assert aborted_requests(live_server) == aborted_before + 10
     assert metric(values, "vllm:num_requests_waiting") == 0
+    assert metric(values, "kvgate:num_requests_running_spare") == 0
 
 
 @pytest.fixture(scope="module")

@@ -203,7 +203,7 @@ def one_slot(
     path = tmp_path_factory.mktemp("one-slot") / "tenants.toml"
     path.write_text(ONE_SLOT)
     live = start_server(
-        tiny_engine_config(tiny_llama_dir, max_num_seqs=1),
+        tiny_engine_config(tiny_llama_dir, max_num_seqs=1, num_spare_seqs=0),
         ServerConfig(served_model_name="tiny", tenants_file=str(path)),
     )
     yield live
@@ -232,8 +232,9 @@ def test_queue_timeout_is_refused_with_its_code(one_slot: LiveServer) -> None:
 
 
 def test_critical_request_preempts_batch_work(one_slot: LiveServer) -> None:
-    """The single running slot belongs to a batch stream; a critical request takes it at once
-    (the batch request is preempted, then resumes and still completes in full)."""
+    """The single running slot belongs to a batch stream and there is no spare one: a
+    critical request takes it at once (the batch request is preempted, then resumes and
+    still completes in full)."""
 
     async def run() -> tuple[int, float, float]:
         bulk = openai.AsyncOpenAI(base_url=one_slot.api_url, api_key="sk-bulk", max_retries=0)
