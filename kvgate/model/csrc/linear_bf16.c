@@ -9,7 +9,7 @@
  *
  * Each output is one float32 sum over k in pairs (2j, 2j + 1), j ascending, rounded to bf16
  * once (nearest even) after the bias is added. A panel (32 columns x K) is streamed once and
- * serves every row of x while it sits in L1/L2; rows go 8 at a time, 16 accumulators.
+ * serves every row of x while it sits in L1/L2; rows go up to 8 at a time, 16 accumulators.
  */
 #include <stdint.h>
 #include <string.h>
@@ -69,9 +69,14 @@ int linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uin
     for (int p = 0; p < panels; ++p) {
         const uint16_t* panel = wp + (int64_t)p * K * 32;
         const uint16_t* b = bias ? bias + p * 32 : NULL;
-        for (int m = 0; m < M; m += 8) {
-            const int rows = M - m < 8 ? M - m : 8;
+        /* As few tiles as 8 rows at a time need, their rows spread evenly: 33 rows go
+         * 7+7+7+6+6, not 8+8+8+8+1, whose 1-row tile re-reads the panel for 2 FMAs per
+         * pair and costs a quarter of a full tile. */
+        const int tiles = (M + 7) / 8, base = M / tiles, longer = M % tiles;
+        for (int t = 0, m = 0; t < tiles; ++t) {
+            const int rows = base + (t < longer);
             TILES[rows](x + (int64_t)m * K, K, panel, b, y + (int64_t)m * N + p * 32, N);
+            m += rows;
         }
     }
     return 0;
