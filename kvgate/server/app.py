@@ -88,15 +88,17 @@ def _load(
         return
     pool = engine.engine.kv_pool
     state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
-    state.serving = ServingContext(
+    serving = ServingContext(
         engine, state.config.served_model_name, state.governance, state.tracing
     )
     # Everything alive now (modules, model, tokenizer) lives as long as the server: keep it
     # out of the garbage collector. A full collection walks every tracked object and holds
     # the GIL throughout: over this heap it stopped the event loop and the engine for
-    # ~120 ms at a time under load, a quiet tenant's whole time to first token.
+    # ~120 ms at a time under load, a quiet tenant's whole time to first token. Before the
+    # server reports ready, so no request meets the one collection here.
     gc.collect()
     gc.freeze()
+    state.serving = serving
     state.ready.set()
     log.info(
         "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
