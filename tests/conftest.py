@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from kvgate.config import EngineConfig
 from kvgate.errors import ModelNotFound
 from kvgate.model.gguf_loader import load_gguf_tokenizer
 from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
@@ -41,3 +42,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
     from tests.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+def tiny_engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
+    """Settings for an engine on the tiny random-weight checkpoint (float32, small pool)."""
+    settings: dict[str, object] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "kv_cache_memory": "64MiB",
+        "max_model_len": 512,
+        "max_num_batched_tokens": 256,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]

@@ -25,18 +25,13 @@ from kvgate.errors import (
     PromptTooLong,
 )
 from kvgate.sampling_params import SamplingParams
+from tests.conftest import tiny_engine_config
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="float32",
-            kv_cache_memory="32MiB",
-            max_model_len=512,
-            max_num_batched_tokens=64,
-        )
+        tiny_engine_config(tiny_llama_dir, kv_cache_memory="32MiB", max_num_batched_tokens=64)
     )
 
 

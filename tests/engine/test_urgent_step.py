@@ -7,27 +7,24 @@ from typing import Any
 
 import pytest
 
-from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import FifoPolicy, SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.sampling_params import SamplingParams
+from tests.conftest import tiny_engine_config
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
 QUIET_PROMPT = list(range(300, 337))
 
 
 def _engine(tiny_llama_dir: Path, policy: SchedulingPolicy, max_num_seqs: int = 8) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="float32",
-            kv_cache_memory="32MiB",
-            max_model_len=512,
-            max_num_seqs=max_num_seqs,
-        ),
-        policy=policy,
+    config = tiny_engine_config(
+        tiny_llama_dir,
+        kv_cache_memory="32MiB",
+        max_num_batched_tokens=512,
+        max_num_seqs=max_num_seqs,
     )
+    return LLMEngine(config, policy=policy)
 
 
 def _fair(quiet_guaranteed: int = 0) -> TenantFairPolicy:

@@ -18,6 +18,7 @@ from kvgate.config import EngineConfig
 from kvgate.entrypoints.serve import engine_loader
 from kvgate.server.app import ServerState, build_app
 from kvgate.server.config import ServerConfig
+from tests.conftest import tiny_engine_config
 
 API_KEY = "sk-test-key-a"
 MODEL = "tiny"
@@ -37,18 +38,6 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-
-
-def tiny_engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
-    settings: dict[str, object] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "kv_cache_memory": "64MiB",
-        "max_model_len": 512,
-        "max_num_batched_tokens": 256,
-    }
-    settings.update(overrides)
-    return EngineConfig(**settings)  # type: ignore[arg-type]
 
 
 def _free_port() -> int:
