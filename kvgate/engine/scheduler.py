@@ -79,7 +79,8 @@ class Scheduler:
         )
         self.spare: set[str] = set()
         #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
-        #: ceiling), "slot" (max_num_seqs, for a request of a higher class).
+        #: ceiling), "slot" (max_num_seqs and the spare slots taken, for a request of a
+        #: higher class or one taking back its guarantee).
         self.preemptions_by_reason: dict[str, int] = {}
 
     @property
@@ -225,11 +226,10 @@ class Scheduler:
                 continue
             spare = False
             if self._slots_full():
-                if victim_for(Need.SLOT) is None:
+                victim = victim_for(Need.SLOT)
+                if victim is None:
                     break
                 if len(self.spare) >= self.num_spare_slots:
-                    victim = victim_for(Need.SLOT)
-                    assert victim is not None
                     preempt(victim, Need.SLOT)
                     blocked.add(victim.tenant)
                     continue
