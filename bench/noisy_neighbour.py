@@ -4,7 +4,9 @@ while a flooder saturates the same engine, and does the flooder still get the ca
 Two tenants on one ``kvgate serve``: "quiet" sends a streaming request at a steady low rate
 (TTFT is what it feels); "flooder" keeps many times the engine's batch in flight (closed loop,
 ``--flood-concurrency`` requests, each replaced the moment it ends), far more than the engine
-can run at once. Three sessions, each on a fresh server:
+can run at once. Each tenant is a client process of its own, as in production: one event
+loop serving both let the flooder's responses delay the reading of the quiet tenant's first
+token (once by 85 ms after the server had sent it). Three sessions, each on a fresh server:
 
 1. quiet solo: the quiet tenant alone (its TTFT baseline);
 2. tenant-fair scheduling (``--scheduling fair``, the default): the flooder alone for
@@ -29,12 +31,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +93,7 @@ async def flood(
                     "temperature": 0,
                     "ignore_eos": True,
                 }
-                start = time.perf_counter()
+                start = time.monotonic()
                 try:
                     r = await http.post(f"{url}/v1/completions", json=body, headers=FLOODER)
                 except httpx.HTTPError as exc:
@@ -99,10 +104,32 @@ async def flood(
                     await asyncio.sleep(0.1)
                     continue
                 tokens = r.json()["usage"]["completion_tokens"]
-                out.spans.append((start, time.perf_counter(), tokens))
+                out.spans.append((start, time.monotonic(), tokens))
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     return out
+
+
+def flood_process(
+    url: str,
+    prompts: list[str],
+    output_len: int,
+    concurrency: int,
+    stop: EventType,
+    results: Queue[Flood],
+) -> None:
+    """The flooder as a client process of its own, as it would be in production: its
+    responses (~16/s) then never hold up the event loop that times the quiet tenant's first
+    token. Floods until ``stop`` is set; each in-flight request is let finish."""
+
+    async def run() -> Flood:
+        done = asyncio.Event()
+        task = asyncio.create_task(flood(url, prompts, output_len, concurrency, done))
+        await asyncio.to_thread(stop.wait)
+        done.set()
+        return await task
+
+    results.put(asyncio.run(run()))
 
 
 async def quiet(
@@ -112,9 +139,9 @@ async def quiet(
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
         tasks = []
-        start = time.perf_counter()
+        start = time.monotonic()
         for i, p in enumerate(prompts):
-            delay = start + i / rate - time.perf_counter()
+            delay = start + i / rate - time.monotonic()
             if i / rate >= duration:
                 break
             if delay > 0:
@@ -161,37 +188,40 @@ async def session(
     close in time, so the machine's drift and a server's luck of memory layout cancel)."""
     flood_prompts = make_prompts(64, tuple(a.prompt_len), seed=1)
     quiet_prompts = make_prompts(int(duration * a.quiet_rate) + 1, tuple(a.prompt_len), seed=2)
-    stop = asyncio.Event()
-    flood_task = None
     windows: list[Window] = []
 
     async def measure(title: str, with_quiet: bool, seconds: float) -> None:
         before = await asyncio.to_thread(engine_summary, url)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         results = []
         if with_quiet:
             results = await quiet(url, quiet_prompts, a.quiet_output_len, a.quiet_rate, seconds)
         else:
             await asyncio.sleep(seconds)
-        t1 = time.perf_counter()
+        t1 = time.monotonic()
         after = await asyncio.to_thread(engine_summary, url)
         engine = {k: v - before.get(k, 0.0) for k, v in after.items()}
         windows.append(Window(title, t0, t1, engine, results))
 
+    fl = None
     if with_flood:
-        flood_task = asyncio.create_task(
-            flood(url, flood_prompts, a.flood_output_len, a.flood_concurrency, stop)
+        spawn = multiprocessing.get_context("spawn")
+        stop, results = spawn.Event(), spawn.Queue()
+        flooder = spawn.Process(
+            target=flood_process,
+            args=(url, flood_prompts, a.flood_output_len, a.flood_concurrency, stop, results),
+            daemon=True,
         )
+        flooder.start()
         await asyncio.sleep(a.warmup)  # the queue fills; steady state before measuring
         await measure("flooder alone, before", False, a.alone)
         await measure("both", True, duration)
         await measure("flooder alone, after", False, a.alone)
+        stop.set()
+        fl = await asyncio.to_thread(results.get)
+        flooder.join()
     else:
         await measure("quiet alone", True, duration)
-    fl = None
-    if flood_task is not None:
-        stop.set()
-        fl = await flood_task
     out = {w.title: w.report(fl) for w in windows}
     if fl is not None:
         out["flood"] = {"requests": len(fl.spans), "refused": len(fl.errors)}
