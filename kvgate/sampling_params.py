@@ -26,6 +26,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
     disable those filters. ``seed`` makes a request reproducible whatever else shares its batch.
     ``logprobs`` is ``None`` for none, ``0`` for the chosen token only, ``k`` for it plus the top k.
+    ``final_only``: the engine reports the request once, when it ends (every token, the whole
+    text and logprobs in that one output), not a delta after every step. A response that is
+    not streamed needs nothing more, and a server then wakes its event loop once per request
+    instead of once per token.
     """
 
     max_tokens: int = 16
@@ -43,6 +47,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list for stop, as the OpenAI API does.

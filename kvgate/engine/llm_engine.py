@@ -377,7 +377,7 @@ class LLMEngine:
                     )
             if request.is_finished:
                 outputs.append(self._final_output(request))
-            else:
+            elif not request.params.final_only:
                 outputs.append(self._delta(request, state, finished=False))
         self._record_finished(outputs, stats)
         return outputs

@@ -61,8 +61,9 @@ class LLM:
             raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
 
         # Validate everything first so a bad prompt rejects the batch before any work.
+        # Nothing streams here: each request reports once, when it ends.
         requests = [
-            self.engine.make_request(f"offline-{next(self._ids)}", p, sp)
+            self.engine.make_request(f"offline-{next(self._ids)}", p, replace(sp, final_only=True))
             for p, sp in zip(prompt_list, param_list, strict=True)
         ]
         for request in requests:

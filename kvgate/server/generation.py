@@ -84,6 +84,7 @@ def sampling_params(
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+        final_only=not body.stream,
     )
 
 
@@ -281,7 +282,7 @@ class Tracker:
         self.span = span
         self.response_id = response_id
         self.n = n
-        self.start = time.perf_counter()
+        self.start = time.monotonic()
         self.results = [ChoiceResult() for _ in requests]
         self.error: str | None = None
 
@@ -300,7 +301,11 @@ class Tracker:
 
     def on_output(self, i: int, out: RequestOutput) -> None:
         if self.record.ttft_s is None and out.new_token_ids:
-            self.record.ttft_s = round(time.perf_counter() - self.start, 4)
+            # A whole response gets one output at the end: the engine's clock says when the
+            # first token came (the same clock as ``start``).
+            first = out.metrics.first_token_time if out.metrics is not None else None
+            now = first if out.finished and first is not None else time.monotonic()
+            self.record.ttft_s = round(now - self.start, 4)
         result = self.results[i]
         result.text += out.text
         result.logprobs.extend(out.logprobs)

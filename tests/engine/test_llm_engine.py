@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,31 @@ def test_deltas_and_final_output(engine: LLMEngine) -> None:
     lps = [lp for o in outs for lp in o.logprobs]
     assert len(lps) == 6 and all(len(lp.top_logprobs) == 2 for lp in lps)
     assert [lp.token_id for lp in lps] == [t for o in outs for t in o.new_token_ids]
+
+
+def test_a_final_only_request_reports_once_with_everything(engine: LLMEngine) -> None:
+    """The one output of a final-only request holds what the deltas of the same request
+    would have held together: every token, the whole text, every logprob, how it ended."""
+    prompt = [100, 200, 300, 400]
+    base = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1, temperature=0)
+    deltas = _drain_one(engine, "stream", prompt, base)
+    text = "".join(o.text for o in deltas)
+    stop = text[len(text) // 2 :][:3]  # a stop string met mid-way
+    assert stop
+    for params in (base, replace(base, stop=(stop,))):
+        deltas = _drain_one(engine, "stream", prompt, params)
+        (whole,) = _drain_one(engine, "whole", prompt, replace(params, final_only=True))
+        assert whole.finished and whole.finish_reason == deltas[-1].finish_reason
+        assert whole.new_token_ids == tuple(t for o in deltas for t in o.new_token_ids)
+        assert whole.text == "".join(o.text for o in deltas)
+        assert whole.logprobs == tuple(lp for o in deltas for lp in o.logprobs)
+        assert whole.num_output_tokens == deltas[-1].num_output_tokens
+        assert whole.metrics is not None and whole.metrics.first_token_time is not None
+    _assert_no_blocks_held(engine)
+
+
+def _drain_one(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[Any]:
+    engine.add_request(request_id, prompt, params)
+    return _drain(engine)[request_id]
