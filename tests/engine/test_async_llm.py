@@ -7,6 +7,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,39 @@ def test_stream_deltas_add_up_to_the_whole(async_llm: AsyncLLM) -> None:
     ids = [t for o in outs for t in o.new_token_ids]
     assert len(ids) == 10
     assert "".join(o.text for o in outs) == async_llm.engine.tokenizer.decode(ids)
+
+
+def test_a_step_wakes_the_event_loop_once_for_all_its_streams(async_llm: AsyncLLM) -> None:
+    """Eight streams decoding together: each step's deltas reach the loop in one hand-over
+    (each costs a self-pipe write and a GIL hand-over), and every stream still gets all of
+    its deltas, in order."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    prompts = [[500 + 7 * i, 501, 502 + i] for i in range(8)]
+
+    async def run() -> tuple[list[list[RequestOutput]], int]:
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+            outs = await asyncio.gather(*(_collect(async_llm, p, params) for p in prompts))
+        finally:
+            del loop.call_soon_threadsafe  # type: ignore[method-assign]
+        return list(outs), wakeups
+
+    steps = async_llm.engine.num_steps
+    outs, wakeups = asyncio.run(run())
+    steps = async_llm.engine.num_steps - steps
+    for stream in outs:
+        assert sum(len(o.new_token_ids) for o in stream) == 12 and stream[-1].finished
+    num_deltas = sum(len(stream) for stream in outs)
+    assert wakeups <= steps < num_deltas
 
 
 def test_leaving_the_stream_aborts_the_request(async_llm: AsyncLLM) -> None:
