@@ -146,7 +146,8 @@ async def quiet(
                 break
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one_request(http, url, p, output_len, QUIET)))
+            headers = {**QUIET, "x-request-id": f"quiet-{i}"}  # found in the access log
+            tasks.append(asyncio.create_task(one_request(http, url, p, output_len, headers)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -161,7 +162,7 @@ class Window:
     engine: dict[str, float]
     quiet: list[Result] = field(default_factory=list)
 
-    def report(self, flood: Flood | None) -> dict[str, Any]:
+    def report(self, flood: Flood | None, logged: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"window_s": self.t1 - self.t0, "engine": self.engine}
         if flood is not None:
             out["flood_tok_s"] = flood.tokens_in(self.t0, self.t1) / (self.t1 - self.t0)
@@ -176,12 +177,40 @@ class Window:
                 ttft_p99=pct(ttft, 99),
                 itl_p50=pct([g for r in ok for g in r.gaps], 50),
                 ttfts=[round(r.ttft, 4) if r.ok else None for r in self.quiet],
+                slowest=slowest(self.quiet, logged),
             )
         return out
 
 
+def slowest(results: list[Result], logged: dict[str, dict[str, Any]], k: int = 3) -> list[Any]:
+    """The ``k`` slowest first tokens, each beside the server's own timeline of that request
+    (its access-log line): whether the time went to waiting, to the prefill, or to getting
+    the token to the client."""
+    order = sorted(range(len(results)), key=lambda i: -results[i].ttft)[:k]
+    out = []
+    for i in order:
+        line = logged.get(f"quiet-{i}", {})
+        keys = ("prompt_tokens", "queue_s", "prefill_s", "ttft_s")
+        timeline = {key: line.get(key) for key in keys}
+        out.append({"request": i, "ttft": round(results[i].ttft, 4), **timeline})
+    return out
+
+
+def access_lines(path: Path) -> dict[str, dict[str, Any]]:
+    """The quiet tenant's lines of a server's JSON-lines access log, by request id."""
+    lines = {}
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if str(line.get("request_id", "")).startswith("quiet-"):
+            lines[line["request_id"]] = line
+    return lines
+
+
 async def session(
-    url: str, a: argparse.Namespace, *, with_flood: bool, duration: float
+    url: str, a: argparse.Namespace, *, with_flood: bool, duration: float, access_log: Path
 ) -> dict[str, dict[str, Any]]:
     """On one server: the quiet tenant for ``duration``; with the flooder, the flooder alone
     for ``--alone`` seconds before and after that (its capacity, on the same server and
@@ -222,7 +251,8 @@ async def session(
         flooder.join()
     else:
         await measure("quiet alone", True, duration)
-    out = {w.title: w.report(fl) for w in windows}
+    logged = access_lines(access_log)
+    out = {w.title: w.report(fl, logged) for w in windows}
     if fl is not None:
         out["flood"] = {"requests": len(fl.spans), "refused": len(fl.errors)}
         out["flood"]["errors"] = sorted(set(fl.errors))[:3]
@@ -250,10 +280,11 @@ def engine_summary(url: str) -> dict[str, float]:
 def run_session(
     a: argparse.Namespace, tenants: Path, scheduling: str, **kw: Any
 ) -> dict[str, dict[str, Any]]:
+    log = Path(tempfile.mkstemp(suffix=".jsonl", dir=tenants.parent)[1])
     server = start_kvgate(
         8411, a.threads, a.max_num_seqs,
         "--tenants", str(tenants), "--scheduling", scheduling, "--max-queue-len", "100000",
-        "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+        "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--access-log", str(log),
     )  # fmt: skip
     try:
         wait_healthy(server)
@@ -264,7 +295,7 @@ def run_session(
                 await asyncio.gather(*(one_request(http, server.url, p, 8, QUIET) for p in warm))
 
         asyncio.run(warmup())
-        return asyncio.run(session(server.url, a, **kw))
+        return asyncio.run(session(server.url, a, access_log=log, **kw))
     finally:
         server.stop()
 
@@ -294,6 +325,17 @@ def print_window(title: str, r: dict[str, Any]) -> None:
         f"preemptions: {preempt or 'none'}",
         flush=True,
     )
+    if r.get("slowest"):
+
+        def ms(v: float | None) -> str:
+            return "?" if v is None else f"{v * 1000:.0f}"
+
+        slow = "; ".join(
+            f"#{x['request']} {ms(x['ttft'])} ms ({x['prompt_tokens']} tokens; server: queued "
+            f"{ms(x['queue_s'])}, prefill {ms(x['prefill_s'])}, first token {ms(x['ttft_s'])})"
+            for x in r["slowest"]
+        )
+        print(f"  {'':<24} slowest first tokens: {slow}", flush=True)
 
 
 def main() -> None:
