@@ -7,7 +7,8 @@ owns the waiting queue and decides order and entitlement:
 - ``may_hold``: whether a tenant may hold that many KV blocks (its ceiling);
 - ``victim``: whom to preempt when a request needs room;
 - ``urgent``: which waiting request may run inside the step in flight, between two of its
-  layers, rather than wait for the step to end.
+  layers, rather than wait for the step to end;
+- ``owns_step``: whether this step is set aside for a request's prefill.
 
 ``FifoPolicy`` is arrival order, newest running request preempted first: what tenant-blind
 engines do. ``TenantFairPolicy`` adds strict priority between classes, weighted fair sharing
@@ -70,6 +71,12 @@ class SchedulingPolicy(Protocol):
         runs its prefill between two layers of that step. None: nobody is that urgent."""
         ...
 
+    def owns_step(self, request: Request) -> bool:
+        """Whether this step is set aside for ``request``'s prefill (``running_order`` left
+        other work out for it): it may then take the whole prompt, up to twice the token
+        budget, as an urgent step does."""
+        ...
+
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
         """Whether ``tenant`` may hold ``num_blocks`` KV blocks in all."""
         ...
@@ -130,6 +137,9 @@ class FifoPolicy:
 
     def urgent(self, running: Sequence[Request]) -> Request | None:
         return None  # arrival order: nobody jumps the step in flight either
+
+    def owns_step(self, request: Request) -> bool:
+        return False
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
         return True
@@ -286,6 +296,9 @@ class TenantFairPolicy:
             return None
         self._exclusive_last_step = True
         return self._queues[tenant][0]
+
+    def owns_step(self, request: Request) -> bool:
+        return request.tenant == self._exclusive
 
     def _owed_tenant(self, running: Sequence[Request]) -> str | None:
         """A tenant owed service, with a fresh request waiting: some other tenant is running,

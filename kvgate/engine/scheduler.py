@@ -210,7 +210,17 @@ class Scheduler:
             if candidate is None:
                 break
             hits, num_hit_tokens = kv.get_computed_blocks(candidate)
-            num_new = min(candidate.num_tokens - num_hit_tokens, budget)
+            num_new = candidate.num_tokens - num_hit_tokens
+            # In a step set aside for it, a prompt of up to twice the budget goes whole, as in
+            # an urgent step: it ends with the first token, where a chunk would leave the rest
+            # to the next step, behind a full step of other work.
+            room = (
+                budget + self.config.max_num_batched_tokens
+                if policy.owns_step(candidate)
+                else budget
+            )
+            if num_new > room:
+                num_new = budget
             extra = kv.num_blocks_to_add(candidate, num_new, hits)
 
             def victim_for(

@@ -315,6 +315,26 @@ def test_a_tenant_back_from_idle_gets_its_first_prefill_step_to_itself() -> None
     assert {s.request_id for s in out.sequences} == {"b0", "b1", "b2", "b3", "q", "o"}
 
 
+def test_a_step_set_aside_for_a_prefill_takes_a_prompt_of_up_to_twice_the_budget() -> None:
+    """As an urgent step does: a chunk would leave the prompt's last tokens to the next step,
+    behind a full step of the busy tenant's work, and the first token with them. A prompt
+    longer than that is chunked as usual."""
+    policy = fair({})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16, policy=policy)
+    runner = FakeRunner()
+    for i in range(4):
+        sched.add_request(req(f"b{i}", "busy", max_tokens=60))
+    step(sched, runner)
+    for tenant, prompt_len, first_chunk in (("fits", 32, 32), ("long", 33, 16)):
+        step(sched, runner)  # an ordinary step between the two set aside
+        sched.add_request(req(tenant, tenant, prompt_len=prompt_len))
+        out = sched.schedule()
+        (seq,) = out.sequences  # the busy tenant's decodes sit out this step
+        assert seq.request_id == tenant and seq.num_tokens == first_chunk
+        assert seq.sample == (first_chunk == prompt_len)
+        sched.update(out, runner.execute(out))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     guarantees=st.lists(st.integers(0, 8), min_size=2, max_size=3),
