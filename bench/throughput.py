@@ -8,14 +8,17 @@ run until the longest output is done; only the requested tokens are counted for 
 Also measures batch-1 decode against this machine's memory-bandwidth bound: a decode step
 must read every weight once, so tokens/s <= copy bandwidth / weight bytes.
 
-    python bench/throughput.py                 # 1, 8, 32, 64 sequences, bf16
+    python bench/throughput.py                 # 1, 8, 32, 64 sequences, --dtype auto
     python bench/throughput.py --concurrency 32 --dtype float32
+    python bench/throughput.py --concurrency 1 32 --quantization int8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -29,6 +32,19 @@ from kvgate.model.hf_export import save_hf_checkpoint
 from kvgate.model.registry import DEFAULT_MODEL
 
 CACHE = Path.home() / ".cache" / "kvgate" / "bench"
+
+
+def describe_machine() -> str:
+    """The CPU's model name and x86 levels: every figure printed is from this CPU."""
+    from kvgate.model import cpu_isa
+
+    name = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores, ISA levels {'/'.join(cpu_isa.supported_levels())}"
 
 
 def export_for_peers(dtype: str) -> Path:
@@ -106,7 +122,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8-b32"],
+        help="kvgate's weights (transformers stays on the compute dtype)",
+    )
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -119,11 +141,19 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     ap.add_argument("--json", type=Path, default=None, help="also write results here")
     a = ap.parse_args()
-    torch_dtype = getattr(torch, a.dtype)
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {a.dtype}")
+    print(describe_machine())
     copy_bw, read_bw = measure_bandwidth()
-    llm = LLM(dtype=a.dtype, kv_cache_memory="2GiB", max_num_seqs=128, max_num_batched_tokens=1024)
+    llm = LLM(
+        dtype=a.dtype,
+        quantization=a.quantization,
+        kv_cache_memory="2GiB",
+        max_num_seqs=128,
+        max_num_batched_tokens=1024,
+    )
+    torch_dtype = llm.engine.dtype
+    dtype = str(torch_dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads; kvgate: {llm.engine.build_info}")
     weight_bytes = llm.engine.model.weight_bytes()
     bound, strict_bound = copy_bw / weight_bytes, read_bw / weight_bytes
     print(
@@ -138,7 +168,7 @@ def main() -> None:
 
         # The exact weights kvgate serves, as a plain HF checkpoint: transformers' own GGUF
         # path keeps weights packed and computes in fp32, which would be an unfair peer.
-        hf_dir = export_for_peers(a.dtype)
+        hf_dir = export_for_peers(dtype)
         hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
 
     # Warm-up both sides (allocator, oneDNN kernel selection).
@@ -188,7 +218,7 @@ def main() -> None:
         a.json.write_text(
             json.dumps(
                 {
-                    "dtype": a.dtype,
+                    "build_info": llm.engine.build_info,
                     "copy_bandwidth_bytes_s": copy_bw,
                     "read_bandwidth_bytes_s": read_bw,
                     "weight_bytes": weight_bytes,

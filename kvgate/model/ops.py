@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.cpu_kernels import KernelLibrary
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -103,25 +104,24 @@ def _ptr(t: torch.Tensor) -> int:
 class FusedCpuLayerOps:
     """bf16, CPU backend's head-major cache only; bit-identical to ``TorchLayerOps``.
 
-    Measured on the CPU (x86, 2 threads): with AVX512-BF16 compiled in, the kernels beat
-    PyTorch at every row count (RoPE: 8 vs 25 us for 1 row, 70 vs 409 us for 1024; norm: 3 vs
-    11 us for 1 row, 136 vs 204 us for 1024); the scalar build of RoPE and SiLU only up to a
-    few rows (11 vs 25 us for one), so above ``MAX_ROWS_ROPE`` they hand over to ``fallback``
-    (PyTorch). The norm's code is the same in both builds.
+    Built only where ``fused_ops.c`` has a vector path (AVX2 or AVX512-BF16; see
+    ``cpu_kernels.load_library``). Measured on the CPU (x86, 2 threads): with AVX512-BF16
+    the kernels beat PyTorch at every row count (RoPE: 8 vs 25 us for 1 row, 70 vs 409 us
+    for 1024; norm: 3 vs 11 us for 1 row, 136 vs 204 us for 1024).
     """
-
-    MAX_ROWS_ROPE = 4
 
     def __init__(
         self,
-        lib: ctypes.CDLL,
+        library: KernelLibrary,
         rope: RotaryEmbedding,
         heads: tuple[int, int, int],
         fallback: TorchLayerOps,
     ) -> None:
+        self.isa = library.isa
         self.rope = rope
         self.fallback = fallback
         self.num_heads, self.num_kv_heads, self.head_dim = heads
+        lib = library.lib
         self._rope = lib.rope_write_kv_bf16
         self._rope.restype = None
         self._rope.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64]
@@ -131,9 +131,6 @@ class FusedCpuLayerOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
-        lib.fused_ops_vectorized.restype = ctypes.c_int
-        if lib.fused_ops_vectorized():
-            self.MAX_ROWS_ROPE = 1 << 62
 
     def add_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -158,8 +155,6 @@ class FusedCpuLayerOps:
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if t > self.MAX_ROWS_ROPE:
-            return self.fallback.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
         q = torch.empty((t, hq, d), dtype=qkv.dtype)
         k = torch.empty((t, hkv, d), dtype=qkv.dtype)
         num_slots = k_cache.shape[1] * k_cache.shape[2]  # head-major [Hkv, N, BS, D]
@@ -172,7 +167,7 @@ class FusedCpuLayerOps:
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not gate_up.is_contiguous() or gate_up.shape[0] > self.MAX_ROWS_ROPE:
+        if not gate_up.is_contiguous():
             return self.fallback.silu_mul(gate_up)
         t, two_i = gate_up.shape
         out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)

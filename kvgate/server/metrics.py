@@ -60,6 +60,14 @@ class EngineCollector(Collector):
             c.add_metric(labels, value)
             return c
 
+        info = GaugeMetricFamily(
+            "kvgate:build_info",
+            "What this server runs, always 1: the CPU ISA level the native kernels were built "
+            "for, the compute dtype, and each op's kernel path (or torch).",
+            labels=[*LABELS, *engine.build_info],
+        )
+        info.add_metric([*labels, *engine.build_info.values()], 1)
+        yield info
         # len() of a list or deque is atomic under the GIL: safe to read from this thread.
         yield gauge(
             "vllm:num_requests_running", "Requests in the running batch.", len(sched.running)

@@ -6,15 +6,20 @@ import pytest
 import torch
 
 from kvgate.model.attention import AttentionMetadata, TorchAttention
-from kvgate.model.cpu_kernels import load_fused_ops_lib, load_paged_decode
+from kvgate.model.cpu_kernels import PagedDecodeKernel, load_fused_ops_lib, load_paged_decode
 from kvgate.model.ops import FusedCpuLayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
+from tests.model.isa import vector_levels
 
-kernel = load_paged_decode()
-fused_lib = load_fused_ops_lib()
-needs_kernels = pytest.mark.skipif(
-    kernel is None or fused_lib is None, reason="no C compiler: kernels unavailable"
-)
+#: Every vector path this CPU can run (a higher machine also runs the lower paths).
+levels = pytest.mark.parametrize("level", vector_levels())
+
+
+def _kernel(level: str) -> PagedDecodeKernel:
+    kernel = load_paged_decode(level)
+    if kernel is None:
+        pytest.skip("no C compiler: kernels unavailable")
+    return kernel
 
 
 def _decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
@@ -31,11 +36,11 @@ def _decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -
     )
 
 
-@needs_kernels
+@levels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(9, 3, 16), (4, 4, 8), (8, 1, 32)])
 def test_paged_decode_kernel_matches_torch(
-    dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
+    level: str, dtype: torch.dtype, heads: int, kv_heads: int, block_size: int
 ) -> None:
     d, num_blocks = 64, 64
     lens = [1, 5, block_size, block_size + 1, 97, 200]
@@ -45,18 +50,18 @@ def test_paged_decode_kernel_matches_torch(
     v_cache = torch.randn(kv_heads, num_blocks, block_size, d).to(dtype)
     q = torch.randn(len(lens), heads, d).to(dtype)
     plain = TorchAttention(heads, kv_heads, d)
-    fast = TorchAttention(heads, kv_heads, d, decode_kernel=kernel)
+    fast = TorchAttention(heads, kv_heads, d, decode_kernel=_kernel(level))
     ref = plain.attend(q, q, q, k_cache, v_cache, meta).float()
     got = fast.attend(q, q, q, k_cache, v_cache, meta).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
-@needs_kernels
+@levels
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 100, 256])
 def test_short_prefill_with_the_native_softmax_matches_torch(
-    heads: int, kv_heads: int, length: int
+    level: str, heads: int, kv_heads: int, length: int
 ) -> None:
     torch.manual_seed(length)
     d = 64
@@ -64,7 +69,8 @@ def test_short_prefill_with_the_native_softmax_matches_torch(
     k = (torch.randn(length, kv_heads, d) * 2).bfloat16()
     v = torch.randn(length, kv_heads, d).bfloat16()
     plain = TorchAttention(heads, kv_heads, d)._short_prefill(q, k, v).float()
-    fast = TorchAttention(heads, kv_heads, d, decode_kernel=kernel)._short_prefill(q, k, v)
+    fast = TorchAttention(heads, kv_heads, d, decode_kernel=_kernel(level))
+    fast = fast._short_prefill(q, k, v)
     # bf16 probabilities: one rounding each, so the outputs agree to bf16 precision.
     torch.testing.assert_close(fast.float(), plain, atol=2e-2, rtol=2e-2)
     # The causal mask: the first query sees only the first key, so it returns that value.
@@ -72,28 +78,28 @@ def test_short_prefill_with_the_native_softmax_matches_torch(
     assert torch.equal(fast[0], v[0].repeat_interleave(group, dim=0))
 
 
-@needs_kernels
-def test_native_softmax_refuses_what_it_cannot_take() -> None:
-    assert kernel is not None
+@levels
+def test_native_softmax_refuses_what_it_cannot_take(level: str) -> None:
+    kernel = _kernel(level)
     assert kernel.causal_softmax(torch.zeros(4, 4), 1.0) is None  # float32
     too_long = kernel.MAX_SOFTMAX_KEYS + 1
     assert kernel.causal_softmax(torch.zeros(1, too_long, dtype=torch.bfloat16), 1.0) is None
 
 
-def _ops() -> tuple[FusedCpuLayerOps, TorchLayerOps]:
-    assert fused_lib is not None
+def _ops(level: str) -> tuple[FusedCpuLayerOps, TorchLayerOps]:
+    fused_lib = load_fused_ops_lib(level)
+    if fused_lib is None:
+        pytest.skip("no C compiler: kernels unavailable")
     rope = RotaryEmbedding(64, 4096, 1e5, None, torch.bfloat16, torch.device("cpu"))
     heads = (9, 3, 64)
     plain = TorchLayerOps(rope, TorchAttention(*heads), heads)
     fused = FusedCpuLayerOps(fused_lib, rope, heads, plain)
-    # Exercise the kernels at every size, not only where they are dispatched to.
-    fused.MAX_ROWS_ROPE = 1 << 30
     return fused, plain
 
 
-@needs_kernels
-def test_fused_rope_and_kv_write_are_bit_exact() -> None:
-    fused, plain = _ops()
+@levels
+def test_fused_rope_and_kv_write_are_bit_exact(level: str) -> None:
+    fused, plain = _ops(level)
     torch.manual_seed(1)
     t, n, bs = 41, 24, 16
     qkv = (torch.randn(t, 15 * 64) * 2).bfloat16()
@@ -114,14 +120,14 @@ def test_fused_rope_and_kv_write_are_bit_exact() -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-@needs_kernels
+@levels
 @pytest.mark.parametrize("hidden", [576, 960, 2048, 100, 8, 3])
 @pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("with_x", [True, False])
-def test_fused_add_rms_norm_is_bit_exact(hidden: int, rows: int, with_x: bool) -> None:
+def test_fused_add_rms_norm_is_bit_exact(level: str, hidden: int, rows: int, with_x: bool) -> None:
     """The native norm sums squares in torch's own order, so it rounds exactly as torch does
     (a different order changes the last bit of the scale now and then)."""
-    fused, plain = _ops()
+    fused, plain = _ops(level)
     torch.manual_seed(hidden * rows)
     # Rows of very different magnitudes, as residual streams are.
     scale = torch.logspace(-3, 3, rows)[:, None]
@@ -135,11 +141,11 @@ def test_fused_add_rms_norm_is_bit_exact(hidden: int, rows: int, with_x: bool) -
     assert torch.equal(got, ref)
 
 
-@needs_kernels
-def test_fused_silu_is_bit_exact_on_every_bf16_value() -> None:
+@levels
+def test_fused_silu_is_bit_exact_on_every_bf16_value(level: str) -> None:
     """SiLU's input is bf16, so all 65,536 inputs can be checked: the native exp follows
     torch's (SLEEF's) steps, and the rounding keeps subnormals as torch does."""
-    fused, plain = _ops()
+    fused, plain = _ops(level)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate_up = torch.cat([every, torch.ones_like(every)])[None, :]  # one row: gate, then up = 1
     got, ref = fused.silu_mul(gate_up), plain.silu_mul(gate_up)
@@ -148,20 +154,22 @@ def test_fused_silu_is_bit_exact_on_every_bf16_value() -> None:
     assert torch.isnan(got[0][every.float().isnan()]).all()
 
 
-@needs_kernels
+@levels
 @pytest.mark.parametrize(("rows", "intermediate"), [(1, 1536), (33, 1536), (300, 1536), (5, 40)])
-def test_fused_silu_mul_is_bit_exact(rows: int, intermediate: int) -> None:
-    fused, plain = _ops()
+def test_fused_silu_mul_is_bit_exact(level: str, rows: int, intermediate: int) -> None:
+    fused, plain = _ops(level)
     torch.manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * intermediate) * 4).bfloat16()
     assert torch.equal(fused.silu_mul(gate_up), plain.silu_mul(gate_up))
 
 
-@needs_kernels
-def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+@levels
+def test_loading_the_kernels_keeps_subnormal_floats(level: str) -> None:
     """A library linked with -ffast-math turns on flush-to-zero for the thread that loads it;
     ours must leave the process's floating-point state alone."""
     import numpy as np
+
+    _kernel(level), _ops(level)  # loaded (built) in this process
 
     tiny = np.array([1e-40], dtype=np.float32)  # subnormal in float32
     assert (tiny * np.float32(1.0))[0] != 0.0

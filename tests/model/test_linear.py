@@ -1,4 +1,5 @@
-"""The native bf16 linear against exact arithmetic, and its batch invariance."""
+"""The native linears against exact arithmetic, their batch invariance, and the factory's pick,
+under every kernel path this CPU can run."""
 
 from __future__ import annotations
 
@@ -6,54 +7,149 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgate.model.cpu_kernels import load_linear_lib
-from kvgate.model.linear import NativeCpuLinear, PackedCpuLinear, TorchLinear, make_linear
+from kvgate.model.cpu_kernels import KernelLibrary, load_linear_lib
+from kvgate.model.linear import (
+    Bf16DotLinear,
+    Linear,
+    LinearFactory,
+    PackedCpuLinear,
+    TorchLinear,
+    WidenLinear,
+    dequantize_int8,
+    quantize_int8,
+)
+from tests.model.isa import vector_levels
 
-needs_kernel = pytest.mark.skipif(load_linear_lib() is None, reason="no C compiler")
+CPU = torch.device("cpu")
+levels = pytest.mark.parametrize("level", vector_levels())
 
 
-def _native(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeCpuLinear:
-    lin = make_linear(weight, bias, pack=True)
-    if not isinstance(lin, NativeCpuLinear):
-        pytest.skip("this CPU has no AVX512-BF16: the oneDNN path is used instead")
+def _library(level: str) -> KernelLibrary:
+    lib = load_linear_lib(level)
+    if lib is None:
+        pytest.skip(f"no vector linear for {level} (no C compiler, or a generic build)")
+    return lib
+
+
+def _factory(
+    level: str, dtype: torch.dtype = torch.bfloat16, q: str | None = None
+) -> LinearFactory:
+    return LinearFactory.for_device(dtype, CPU, _library(level), q)
+
+
+def _native(level: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    lin = _factory(level)(weight, bias)
+    assert isinstance(lin, Bf16DotLinear | WidenLinear)
     return lin
 
 
-@needs_kernel
+@levels
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (64, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_within_one_bf16_rounding_of_the_exact_product(
-    out_features: int, in_features: int, with_bias: bool
+    level: str, out_features: int, in_features: int, with_bias: bool
 ) -> None:
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if with_bias else None
-    x = torch.randn(37, in_features).bfloat16()
-    got = _native(w, b)(x)
-    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
-    # float32 accumulation, one rounding to bf16: never more than a bf16 ulp (plus the
-    # float32 sum's own error) from the exact value, and almost always the nearest bf16.
-    torch.testing.assert_close(got.double(), exact, atol=1e-2, rtol=2**-7)
-    assert (got == exact.bfloat16()).float().mean() > 0.995
-    assert (got == F.linear(x, w, b)).float().mean() > 0.995
+    lin = _native(level, w, b)
+    for rows in (1, 2, 3, 5, 37):
+        x = torch.randn(rows, in_features).bfloat16()
+        got = lin(x)
+        exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+        # float32 accumulation, one rounding to bf16: never more than a bf16 ulp (plus the
+        # float32 sum's own error) from the exact value, and almost always the nearest bf16.
+        torch.testing.assert_close(got.double(), exact, atol=1e-2, rtol=2**-7)
+        assert (got == exact.bfloat16()).float().mean() > 0.995
+        assert (got == F.linear(x, w, b)).float().mean() > 0.99
 
 
-@needs_kernel
-def test_a_row_gets_the_same_output_in_any_batch() -> None:
+@levels
+@pytest.mark.parametrize("quantization", [None, "int8", "int8-b32"])
+def test_a_row_gets_the_same_output_in_any_batch(level: str, quantization: str | None) -> None:
     """One fixed summation order per output: batching never changes a sequence's logits."""
     torch.manual_seed(3)
-    lin = _native(torch.randn(3072, 576).bfloat16())
+    lin = _factory(level, q=quantization)(torch.randn(3072, 576), None)
+    assert not isinstance(lin, TorchLinear | PackedCpuLinear)
     x = torch.randn(70, 576).bfloat16()
     alone = torch.cat([lin(x[i : i + 1]) for i in range(70)])
-    for m in [2, 7, 8, 9, 16, 33, 70]:
+    for m in [2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33, 70]:
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
-@needs_kernel
-def test_shapes_it_does_not_take_use_onednn_and_empty_batches_work() -> None:
-    odd_columns = torch.randn(40, 64).bfloat16()
-    assert isinstance(make_linear(odd_columns, None, pack=True), PackedCpuLinear)
-    assert isinstance(make_linear(odd_columns, None, pack=True, native=False), PackedCpuLinear)
-    assert isinstance(make_linear(odd_columns.float(), None, pack=False), TorchLinear)
-    lin = _native(torch.randn(64, 64).bfloat16())
+@levels
+@pytest.mark.parametrize("quantization", ["int8", "int8-b32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_equals_the_dequantized_weights(
+    level: str, quantization: str, dtype: torch.dtype, with_bias: bool
+) -> None:
+    """The int8 kernel computes x (scale q)^T + b: against exact arithmetic on the
+    dequantized weights, within float32 summation error and one rounding of the output."""
+    torch.manual_seed(5)
+    w = torch.randn(960, 576) * torch.logspace(-2, 1, 960)[:, None]  # rows of every scale
+    w[:, 100:132] *= 20  # one block of outliers: blocks get their own scale
+    b = torch.randn(960).to(dtype) if with_bias else None
+    lin = _factory(level, dtype, quantization)(w, b)
+    assert isinstance(lin, WidenLinear)
+    q, scale = quantize_int8(w, 32 if quantization == "int8-b32" else None)
+    bias_bytes = b.numel() * b.element_size() if b is not None else 0
+    assert lin.weight_bytes() == q.numel() + 4 * scale.numel() + bias_bytes
+    deq = dequantize_int8(q, scale).double()
+    for rows in (1, 6, 29):
+        x = torch.randn(rows, 576).to(dtype)
+        exact = x.double() @ deq.T + (b.double() if b is not None else 0.0)
+        # A float32 sum of K terms errs by at most ~K eps sum |terms| (a loose bound)...
+        summation = 576 * 2**-24 * (x.double().abs() @ deq.abs().T)
+        # ...then a bf16 output rounds once more: half an ulp, 2^-9 relative.
+        rounding = exact.abs() * 2**-8 if dtype == torch.bfloat16 else 0.0
+        assert ((lin(x).double() - exact).abs() <= summation + rounding + 1e-6).all()
+
+
+def test_int8_quantization_is_symmetric_per_channel() -> None:
+    w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-254.0, 127.0, 1.0]])
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q[0].tolist() == [127, -64, 32]  # 63.5 rounds to even
+    assert q[1].tolist() == [0, 0, 0] and scale[1] == 1.0  # an all-zero row stays exact
+    assert q[2].tolist() == [-127, 64, 0] and scale[2] == 2.0
+    err = (dequantize_int8(q, scale) - w).abs().max(dim=1).values
+    assert (err <= scale / 2 + 1e-7).all()
+
+
+def test_int8_blocks_have_a_scale_each() -> None:
+    w = torch.randn(4, 64)
+    w[:, 32:] *= 1000  # the second block of every row is large
+    q, scale = quantize_int8(w, 32)
+    assert scale.shape == (4, 2) and (scale[:, 1] > 100 * scale[:, 0]).all()
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err[:, :32] <= scale[:, :1] / 2 + 1e-7).all()  # the small block keeps its precision
+
+
+@levels
+def test_the_factory_picks_by_the_library_and_shape(level: str) -> None:
+    lib = _library(level)
+    bf16 = _factory(level)
+    # Columns not a multiple of 16: no native layout, so oneDNN where it packs bf16, else torch.
+    odd = bf16(torch.randn(40, 64), None)
+    assert isinstance(odd, PackedCpuLinear if bf16.onednn else TorchLinear)
+    expected = Bf16DotLinear if lib.isa == "avx512bf16" else WidenLinear
+    assert isinstance(bf16(torch.randn(64, 64), None), expected)
+    assert bf16.path == f"bf16-{lib.isa}"
+    assert isinstance(_factory(level, torch.float32)(torch.randn(64, 64), None), TorchLinear)
+    lin = bf16(torch.randn(64, 64), None)
     assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 64)
+
+
+def test_without_kernels_int8_still_rounds_the_weights() -> None:
+    """No compiled library: int8 falls back to the same rounded weights on PyTorch."""
+    factory = LinearFactory.for_device(torch.float32, CPU, None, "int8")
+    assert factory.path == "int8-dequantized-torch"
+    w = torch.randn(32, 64)
+    lin = factory(w, None)
+    assert isinstance(lin, TorchLinear)
+    q, scale = quantize_int8(w)
+    assert torch.equal(lin.weight, q.float() * scale[:, None])
+    blocks = LinearFactory.for_device(torch.float32, CPU, None, "int8-b32")(w, None)
+    assert isinstance(blocks, TorchLinear)
+    assert torch.equal(blocks.weight, dequantize_int8(*quantize_int8(w, 32)))

@@ -13,6 +13,7 @@ import pytest
 
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
+from kvgate.model import cpu_isa
 from tests.server.conftest import API_KEY, MODEL, LiveServer, metric, scrape_metrics, wait_idle
 
 PROMPT_IDS = [400, 401, 402, 403, 404, 405]
@@ -347,6 +348,15 @@ def test_metrics_count_the_traffic(live_server: LiveServer, client: openai.OpenA
     # 40 tokens = 2 full blocks of 16; the 2nd and 3rd requests reuse both.
     assert delta("vllm:prefix_cache_hits_total") == 2 * 32
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_build_info_names_the_kernel_path_of_each_op(live_server: LiveServer) -> None:
+    (info,) = [name for name in scrape_metrics(live_server) if name.startswith("kvgate:build_info")]
+    labels = dict(part.split("=") for part in info.split("{")[1].rstrip("}").split(","))
+    labels = {key: value.strip('"') for key, value in labels.items()}
+    assert labels["isa"] == cpu_isa.default_level()
+    assert {"dtype", "linear", "attention", "elementwise"} <= set(labels)
+    assert scrape_metrics(live_server)[info] == 1
 
 
 def test_usage_carries_the_request_profile(client: openai.OpenAI) -> None:

@@ -1,7 +1,8 @@
 /* bf16 <-> float32 for 16 lanes with AVX512, rounding exactly as PyTorch does. */
 #ifndef KVGATE_BF16_AVX512_H
 #define KVGATE_BF16_AVX512_H
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "isa.h"
+#ifdef KVGATE_AVX512BF16
 #include <immintrin.h>
 
 /* 16 bf16 -> f32 (exact: a shift) */

@@ -7,9 +7,13 @@
  *   tables       [B, max_blocks] int64    block ids of each sequence
  *   lens         [B] int64                tokens of context of each sequence (>= 1)
  * Work items are (sequence, kv head) pairs; each reads its K/V once for all G query heads.
+ * Paths, first that applies: AVX512-BF16 (bf16, D % 32 == 0), AVX2 + FMA (bf16 and f32,
+ * D % 8 == 0; also in the AVX-512 builds), scalar C.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "isa.h"
 #include <string.h>
 
 #define MAX_G 16
@@ -89,9 +93,9 @@ int NAME(const T* q, const T* kc, const T* vc, const int64_t* tables, const int6
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 DEFINE_DECODE(paged_decode_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(paged_decode_f32, float, LOAD_F32, STORE_F32)
+DEFINE_DECODE(paged_decode_f32_generic, float, LOAD_F32, STORE_F32)
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef KVGATE_AVX512BF16
 #include <immintrin.h>
 
 /* e^x for 16 lanes: 2^(x log2 e) split into integer i and fraction f in [-0.5, 0.5]; 2^f by
@@ -263,6 +267,354 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* kc, const
 }
 #endif
 
+#ifdef KVGATE_AVX2
+#include <immintrin.h>
+
+#include "bf16_avx2.h"
+
+#define AVX2_INLINE static inline __attribute__((always_inline))
+
+/* e^x for 8 lanes, the AVX2 twin of exp512: 2^(x log2 e) split into integer i and fraction
+ * f in [-0.5, 0.5]; 2^f by its degree-6 Taylor polynomial (relative error < 2e-8), scaled by
+ * 2^i. AVX2 has no scalef: 2^i is built by putting i + 127 into the exponent field, valid
+ * only for i in [-126, 127], so the scale is applied as two factors 2^(i/2) and 2^(i - i/2)
+ * (each within range for i in [-150, 129]); a result below the normal range then rounds to a
+ * subnormal or to 0 instead of wrapping the exponent. x = -inf gives 0, x >= 89 gives inf. */
+AVX2_INLINE __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f)); /* below this e^x is 0 in float */
+    x = _mm256_min_ps(x, _mm256_set1_ps(89.0f));   /* above this it is inf */
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, i);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i n = _mm256_cvtps_epi32(i);
+    const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/* Horizontal max / sum of 8 lanes: halves first (extract is cheap, a lane-crossing permute
+ * is not on Zen), then inside 128 bits. */
+AVX2_INLINE float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+AVX2_INLINE float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* Nearest-even bf16 rounding (as torch rounds) of values known to be finite and >= 0, such
+ * as exp256's results: bf16x8_round without its NaN handling, half the work. */
+AVX2_INLINE __m256 round_bf16_nonneg(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* Lane t of sum8x8's result is the sum of the 8 lanes of v[t]: the transpose-and-add tree of
+ * sum16x16 for 8 lanes, 13 shuffles and 7 adds for 8 dot products instead of 8 horizontal
+ * sums. In two steps, so that tokens 0-3 and 4-7 can be reduced apart (qk_heads):
+ * sum8x8_quad reduces 4 vectors to [their sums over lanes 0-3 | over lanes 4-7], in-lane;
+ * sum8x8_join adds the halves of two such, lane-crossing only through 128-bit extract/insert
+ * (a lane-crossing permute is slow on Zen). */
+AVX2_INLINE __m256 sum8x8_quad(const __m256 w[4]) {
+    /* pairs of 32-bit lanes, then pairs of 64-bit lanes, inside each 128-bit lane */
+    const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(w[0], w[1]),
+                                     _mm256_unpackhi_ps(w[0], w[1]));
+    const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(w[2], w[3]),
+                                     _mm256_unpackhi_ps(w[2], w[3]));
+    const __m256d a = _mm256_castps_pd(s01), b = _mm256_castps_pd(s23);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+}
+
+AVX2_INLINE __m256 sum8x8_join(__m256 quad0, __m256 quad1) {
+    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(quad0), _mm256_extractf128_ps(quad0, 1));
+    const __m128 hi = _mm_add_ps(_mm256_castps256_ps128(quad1), _mm256_extractf128_ps(quad1, 1));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
+AVX2_INLINE __m256 sum8x8(const __m256 v[8]) {
+    return sum8x8_join(sum8x8_quad(v), sum8x8_quad(v + 4));
+}
+
+/* Rows (q, K, V, out; D elements, bf16 or f32 by the flag `bf16`) are read 16 dims at a time
+ * (chunk c: dims 16c .. 16c + 15) into two 8-lane fp32 vectors:
+ *   bf16: one 32-byte load. Each 32-bit word holds dims 2i (low half) and 2i + 1 (high half):
+ *         shifted up 16, or masked, it *is* the fp32 of one of them. So lo = the even dims,
+ *         hi = the odd dims: two cheap in-lane ops, no lane-crossing widening.
+ *   f32:  lo = dims 16c .. 16c + 7, hi = 16c + 8 .. 16c + 15.
+ * q and the accumulators live in the same order, so dot products and P.V need no reordering;
+ * the output store puts the dims back. D % 16 == 8 leaves one last vector, natural order. */
+AVX2_INLINE void load_chunk(const void* row, int c, int bf16, __m256* lo, __m256* hi) {
+    if (bf16) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + 16 * c));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm256_loadu_ps((const float*)row + 16 * c);
+        *hi = _mm256_loadu_ps((const float*)row + 16 * c + 8);
+    }
+}
+
+AVX2_INLINE __m256 load_last8(const void* row, int D, int bf16) {
+    return bf16 ? bf16x8_load((const uint16_t*)row + D - 8)
+                : _mm256_loadu_ps((const float*)row + D - 8);
+}
+
+AVX2_INLINE void store_chunk(void* row, int c, int bf16, __m256 lo, __m256 hi) {
+    if (bf16) {
+        /* even dims to the low halves of the words, odd dims to the high halves */
+        const __m256i w = _mm256_or_si256(bf16x8_round_bits(lo),
+                                          _mm256_slli_epi32(bf16x8_round_bits(hi), 16));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)row + 16 * c), w);
+    } else {
+        _mm256_storeu_ps((float*)row + 16 * c, lo);
+        _mm256_storeu_ps((float*)row + 16 * c + 8, hi);
+    }
+}
+
+AVX2_INLINE void store_last8(void* row, int D, int bf16, __m256 x) {
+    if (bf16) bf16x8_store((uint16_t*)row + D - 8, x);
+    else _mm256_storeu_ps((float*)row + D - 8, x);
+}
+
+/* Scores of a tile (8 K rows kr) for query heads g and g + 1: sc[g + i], lane t = q.k_t.
+ * The two heads share every K load and widening; the 2 x 4 accumulators of four tokens at a
+ * time stay in registers (eight independent FMA chains). */
+AVX2_INLINE void qk_head_pair(__m256 (*qv)[MAX_D / 8], int g, const char* const* kr, int C,
+                              int last, int D, int bf16, __m256* sc) {
+    __m256 quad[2][2];
+    for (int half = 0; half < 2; ++half) {
+        __m256 d[2][4];
+        for (int i = 0; i < 2; ++i)
+            for (int t = 0; t < 4; ++t) d[i][t] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+            for (int t = 0; t < 4; ++t) {
+                __m256 lo, hi;
+                load_chunk(kr[4 * half + t], c, bf16, &lo, &hi);
+                for (int i = 0; i < 2; ++i) {
+                    d[i][t] = _mm256_fmadd_ps(qv[g + i][2 * c], lo, d[i][t]);
+                    d[i][t] = _mm256_fmadd_ps(qv[g + i][2 * c + 1], hi, d[i][t]);
+                }
+            }
+        }
+        if (last) {
+            for (int t = 0; t < 4; ++t) {
+                const __m256 k = load_last8(kr[4 * half + t], D, bf16);
+                for (int i = 0; i < 2; ++i)
+                    d[i][t] = _mm256_fmadd_ps(qv[g + i][2 * C], k, d[i][t]);
+            }
+        }
+        for (int i = 0; i < 2; ++i) quad[i][half] = sum8x8_quad(d[i]);
+    }
+    for (int i = 0; i < 2; ++i) sc[g + i] = sum8x8_join(quad[i][0], quad[i][1]);
+}
+
+/* The same for one head: 8 accumulators, one per token. */
+AVX2_INLINE void qk_head(__m256 (*qv)[MAX_D / 8], int g, const char* const* kr, int C,
+                         int last, int D, int bf16, __m256* sc) {
+    __m256 d[8];
+    for (int t = 0; t < 8; ++t) d[t] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+        for (int t = 0; t < 8; ++t) {
+            __m256 lo, hi;
+            load_chunk(kr[t], c, bf16, &lo, &hi);
+            d[t] = _mm256_fmadd_ps(qv[g][2 * c], lo, d[t]);
+            d[t] = _mm256_fmadd_ps(qv[g][2 * c + 1], hi, d[t]);
+        }
+    }
+    if (last) {
+        for (int t = 0; t < 8; ++t)
+            d[t] = _mm256_fmadd_ps(qv[g][2 * C], load_last8(kr[t], D, bf16), d[t]);
+    }
+    sc[g] = sum8x8(d);
+}
+
+/* P.V of a tile for heads g .. g + NH - 1, chunks c .. c + NP - 1 (NH * NP <= 4):
+ * acc[g + i][2c ...] = acc * corr[g + i] + sum over the n tokens of p[g + i][t] * V row t.
+ * The 2 NH NP accumulators stay in registers across the tile; NH = 2 shares each V load and
+ * widening between two heads. */
+AVX2_INLINE void pv_heads(__m256 (*acc)[MAX_D / 8], int g, int NH, const char* const* vr,
+                          float (*p)[8], int n, int c, int NP, int bf16, const __m256* corr) {
+    __m256 a[2][8];
+    for (int i = 0; i < NH; ++i)
+        for (int k = 0; k < 2 * NP; ++k)
+            a[i][k] = _mm256_mul_ps(acc[g + i][2 * c + k], corr[g + i]);
+    for (int t = 0; t < n; ++t) {
+        __m256 pt[2];
+        for (int i = 0; i < NH; ++i) pt[i] = _mm256_broadcast_ss(&p[g + i][t]);
+        for (int k = 0; k < NP; ++k) {
+            __m256 lo, hi;
+            load_chunk(vr[t], c + k, bf16, &lo, &hi);
+            for (int i = 0; i < NH; ++i) {
+                a[i][2 * k] = _mm256_fmadd_ps(pt[i], lo, a[i][2 * k]);
+                a[i][2 * k + 1] = _mm256_fmadd_ps(pt[i], hi, a[i][2 * k + 1]);
+            }
+        }
+    }
+    for (int i = 0; i < NH; ++i)
+        for (int k = 0; k < 2 * NP; ++k) acc[g + i][2 * c + k] = a[i][k];
+}
+
+/* The AVX2 + FMA decode, bf16 or f32 (the flag is a constant at both call sites, so each
+ * gets its own branch-free copy). Tokens are taken 8 at a time (a "tile", never crossing a
+ * block):
+ *  - scores: one accumulator per (head, token), K widened in registers as it is read and
+ *    shared by two query heads at a time (qk_head_pair); each head's 8 dot products summed
+ *    together by the sum8x8 tree;
+ *  - one online-softmax update per tile and head, the running sum kept as 8 lanes;
+ *  - P.V, again two heads per V load (pv_heads), with the probabilities rounded to bf16 in
+ *    bf16 mode (the rounding the PyTorch path applies before its P.V matmul; fp32 mode keeps
+ *    them fp32, as PyTorch does).
+ * Rows past the end of a partial tile are never read: their row pointer repeats the tile's
+ * last valid row and their scores are set to -inf (probability exactly 0). Needs D % 8 == 0.
+ * One work item: sequence b, KV head h. */
+AVX2_INLINE void decode_avx2_item(const void* q, const void* kc, const void* vc,
+                                  const int64_t* tables, const int64_t* lens, void* out, int b,
+                                  int h, int Hkv, int G, int D, int64_t N, int BS,
+                                  int max_blocks, float scale, const int bf16) {
+    const int64_t es = bf16 ? 2 : 4;          /* bytes per element */
+    const int64_t row = (int64_t)D * es;      /* bytes per K/V row */
+    const int C = D / 16, last = D % 16 != 0; /* whole chunks; one more 8-dim vector */
+    /* [g][j]: vector j of head g's row, in load_chunk's order (j = 2c, 2c + 1, then the
+     * last 8 dims at j = 2C); q pre-scaled */
+    __m256 qv[MAX_G][MAX_D / 8], acc[MAX_G][MAX_D / 8], lsum[MAX_G];
+    float m[MAX_G];
+    for (int g = 0; g < G; ++g) {
+        const char* qp = (const char*)q + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * row;
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (int c = 0; c < C; ++c) {
+            __m256 lo, hi;
+            load_chunk(qp, c, bf16, &lo, &hi);
+            qv[g][2 * c] = _mm256_mul_ps(lo, sv);
+            qv[g][2 * c + 1] = _mm256_mul_ps(hi, sv);
+        }
+        if (last) qv[g][2 * C] = _mm256_mul_ps(load_last8(qp, D, bf16), sv);
+        for (int j = 0; j < 2 * C + last; ++j) acc[g][j] = _mm256_setzero_ps();
+        lsum[g] = _mm256_setzero_ps();
+        m[g] = -INFINITY;
+    }
+    const __m256 iota = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const int64_t len = lens[b];
+    for (int64_t start = 0; start < len; start += BS) {
+        const int64_t blk = tables[(int64_t)b * max_blocks + start / BS];
+        const char* kblk = (const char*)kc + (h * N + blk) * BS * row;
+        const char* vblk = (const char*)vc + (h * N + blk) * BS * row;
+        if (start + 2 * BS < len) {
+            /* Blocks are scattered in the pool, so the hardware prefetcher cannot guess the
+             * next one: ask for the one after next now, as the AVX512 path does. */
+            const int64_t nxt = tables[(int64_t)b * max_blocks + start / BS + 2];
+            const char* nk = (const char*)kc + (h * N + nxt) * BS * row;
+            const char* nv = (const char*)vc + (h * N + nxt) * BS * row;
+            for (int64_t off = 0; off < BS * row; off += 64) {
+                __builtin_prefetch(nk + off);
+                __builtin_prefetch(nv + off);
+            }
+        }
+        const int in_block = (int)(len - start < BS ? len - start : BS);
+        for (int t0 = 0; t0 < in_block; t0 += 8) {
+            const int n = in_block - t0 < 8 ? in_block - t0 : 8;
+            const char* kr[8];
+            const char* vr[8];
+            for (int t = 0; t < 8; ++t) {
+                const int64_t off = (int64_t)(t0 + (t < n ? t : n - 1)) * row;
+                kr[t] = kblk + off;
+                vr[t] = vblk + off;
+            }
+            const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+            /* Three passes over the heads (scores, softmax, P.V) rather than one per head: the
+             * softmax is a long dependent chain (max, exp, rounding) that the core can then
+             * overlap across heads instead of stalling each head's P.V on it. */
+            __m256 sc[MAX_G], corr[MAX_G];
+            float pt[MAX_G][8]; /* probabilities of the tile's tokens, bf16-rounded in bf16 */
+            int g = 0;
+            for (; g + 2 <= G; g += 2) qk_head_pair(qv, g, kr, C, last, D, bf16, sc);
+            if (g < G) qk_head(qv, g, kr, C, last, D, bf16, sc);
+            /* lanes past n: -inf, so they add nothing to the max and exp to 0 */
+            for (g = 0; g < G; ++g)
+                sc[g] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc[g], valid);
+            for (g = 0; g < G; ++g) {
+                const float m_tile = hmax8(sc[g]);
+                corr[g] = _mm256_set1_ps(1.f);
+                if (m_tile > m[g]) { /* a new running max: rescale what came before */
+                    corr[g] = exp256(_mm256_set1_ps(m[g] - m_tile));
+                    m[g] = m_tile;
+                }
+                const __m256 p = exp256(_mm256_sub_ps(sc[g], _mm256_set1_ps(m[g])));
+                lsum[g] = _mm256_fmadd_ps(lsum[g], corr[g], p);
+                _mm256_storeu_ps(pt[g], bf16 ? round_bf16_nonneg(p) : p);
+            }
+            for (g = 0; g + 2 <= G; g += 2) {
+                int c = 0;
+                for (; c + 2 <= C; c += 2) pv_heads(acc, g, 2, vr, pt, n, c, 2, bf16, corr);
+                if (c < C) pv_heads(acc, g, 2, vr, pt, n, c, 1, bf16, corr);
+            }
+            if (g < G) {
+                int c = 0;
+                for (; c + 4 <= C; c += 4) pv_heads(acc, g, 1, vr, pt, n, c, 4, bf16, corr);
+                for (; c + 2 <= C; c += 2) pv_heads(acc, g, 1, vr, pt, n, c, 2, bf16, corr);
+                if (c < C) pv_heads(acc, g, 1, vr, pt, n, c, 1, bf16, corr);
+            }
+            if (last) {
+                for (g = 0; g < G; ++g) {
+                    __m256 a = _mm256_mul_ps(acc[g][2 * C], corr[g]);
+                    for (int t = 0; t < n; ++t)
+                        a = _mm256_fmadd_ps(_mm256_broadcast_ss(pt[g] + t),
+                                            load_last8(vr[t], D, bf16), a);
+                    acc[g][2 * C] = a;
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        char* op = (char*)out + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * row;
+        const __m256 inv = _mm256_set1_ps(1.f / hsum8(lsum[g]));
+        for (int c = 0; c < C; ++c)
+            store_chunk(op, c, bf16, _mm256_mul_ps(acc[g][2 * c], inv),
+                        _mm256_mul_ps(acc[g][2 * c + 1], inv));
+        if (last) store_last8(op, D, bf16, _mm256_mul_ps(acc[g][2 * C], inv));
+    }
+}
+
+/* The parallel loops live here, not in decode_avx2_item: OpenMP outlines a loop body before
+ * inlining, so a loop there would get one copy with the dtype flag a runtime variable. */
+static void decode_avx2_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                             const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
+                             int Hkv, int G, int D, int64_t N, int BS, int max_blocks,
+                             float scale) {
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < B * Hkv; ++item)
+        decode_avx2_item(q, kc, vc, tables, lens, out, item / Hkv, item % Hkv, Hkv, G, D, N,
+                         BS, max_blocks, scale, 1);
+}
+
+static void decode_avx2_f32(const float* q, const float* kc, const float* vc,
+                            const int64_t* tables, const int64_t* lens, float* out, int B,
+                            int Hkv, int G, int D, int64_t N, int BS, int max_blocks,
+                            float scale) {
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < B * Hkv; ++item)
+        decode_avx2_item(q, kc, vc, tables, lens, out, item / Hkv, item % Hkv, Hkv, G, D, N,
+                         BS, max_blocks, scale, 0);
+}
+#endif
+
 /* Causal softmax of a fresh prompt's attention scores, for the short-prompt prefill path:
  * scores [R, n] bf16 (q.k^T of R query rows; row r is query r % n of its head), scaled,
  * softmax over keys 0..r % n in float32, probabilities rounded to bf16; keys past the query
@@ -271,7 +623,7 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* kc, const
 
 int causal_softmax_bf16(const uint16_t* scores, uint16_t* probs, int64_t R, int n,
                         float scale) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef KVGATE_AVX512BF16
     if (n > MAX_SOFTMAX_KEYS) return -1;
     #pragma omp parallel for schedule(static) if (R * n > 16384)
     for (int64_t r = 0; r < R; ++r) {
@@ -308,6 +660,51 @@ int causal_softmax_bf16(const uint16_t* scores, uint16_t* probs, int64_t R, int 
         }
     }
     return 0;
+#elif defined(KVGATE_AVX2)
+    if (n > MAX_SOFTMAX_KEYS) return -1;
+    #pragma omp parallel for schedule(static) if (R * n > 16384)
+    for (int64_t r = 0; r < R; ++r) {
+        const uint16_t* s = scores + r * n;
+        uint16_t* o = probs + r * n;
+        const int valid = (int)(r % n) + 1;
+        /* valid keys rounded up to whole vectors: the lanes past `valid` hold -inf scores,
+         * then exactly 0 probabilities, so every pass runs on whole vectors */
+        const int span = (valid + 7) & ~7;
+        const __m256 sc = _mm256_set1_ps(scale);
+        float e[MAX_SOFTMAX_KEYS + 8]; /* scaled scores, then their exp */
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < span; c += 8) {
+            uint16_t pad[8] = {0xff80, 0xff80, 0xff80, 0xff80, 0xff80, 0xff80, 0xff80, 0xff80};
+            const uint16_t* src = s + c;
+            if (c + 8 > valid) { /* bf16 -inf past the last valid key */
+                memcpy(pad, s + c, (size_t)(valid - c) * 2);
+                src = pad;
+            }
+            const __m256 v = _mm256_mul_ps(bf16x8_load(src), sc);
+            _mm256_storeu_ps(e + c, v);
+            mv = _mm256_max_ps(mv, v);
+        }
+        const __m256 m = _mm256_set1_ps(hmax8(mv));
+        __m256 total = _mm256_setzero_ps();
+        for (int c = 0; c < span; c += 8) {
+            const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + c), m));
+            _mm256_storeu_ps(e + c, p);
+            total = _mm256_add_ps(total, p);
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / hsum8(total));
+        for (int c = 0; c < n; c += 8) {
+            const __m256 p = c < span ? _mm256_mul_ps(_mm256_loadu_ps(e + c), inv)
+                                      : _mm256_setzero_ps();
+            if (c + 8 <= n) {
+                bf16x8_store(o + c, p);
+            } else { /* the row's last n % 8 keys */
+                uint16_t tail[8];
+                bf16x8_store(tail, p);
+                memcpy(o + c, tail, (size_t)(n - c) * 2);
+            }
+        }
+    }
+    return 0;
 #else
     (void)scores; (void)probs; (void)R; (void)n; (void)scale;
     return -1;
@@ -318,11 +715,34 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                       const int64_t* tables, const int64_t* lens, uint16_t* out, int B, int Hkv,
                       int G, int D, int64_t N, int BS, int max_blocks, float scale) {
     if (G > MAX_G || D > MAX_D || BS > MAX_BS) return -1;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef KVGATE_AVX512BF16
     if (D % 32 == 0)
         return paged_decode_bf16_avx512(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
                                         max_blocks, scale);
 #endif
+#ifdef KVGATE_AVX2
+    if (D % 8 == 0) {
+        decode_avx2_bf16(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS, max_blocks, scale);
+        return 0;
+    }
+#endif
     return paged_decode_bf16_generic(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
                                      max_blocks, scale);
 }
+
+/* float32: the AVX2 path in every vector build (there is no AVX-512 f32 path), else scalar. */
+int paged_decode_f32(const float* q, const float* kc, const float* vc, const int64_t* tables,
+                     const int64_t* lens, float* out, int B, int Hkv, int G, int D, int64_t N,
+                     int BS, int max_blocks, float scale) {
+    if (G > MAX_G || D > MAX_D || BS > MAX_BS) return -1;
+#ifdef KVGATE_AVX2
+    if (D % 8 == 0) {
+        decode_avx2_f32(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS, max_blocks, scale);
+        return 0;
+    }
+#endif
+    return paged_decode_f32_generic(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
+                                    max_blocks, scale);
+}
+
+KVGATE_DEFINE_ISA()

@@ -1,0 +1,101 @@
+"""Which x86 instruction-set level the native kernels are built for.
+
+Levels, lowest first: ``generic`` (plain C, no vector path), ``avx2`` (AVX2 + FMA + F16C:
+every x86-64 CPU since 2013-2015, AMD EPYC included), ``avx512`` (F/BW/VL/DQ: Skylake-SP,
+Cascade Lake), ``avx512bf16`` (plus AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4).
+
+The level is the best one this CPU has, or the one ``KVGATE_CPU_ISA`` asks for: a lower
+level runs a lower kernel path on a higher machine (how the tests cover every path on
+whatever CPU CI has); a level above the CPU is refused here, naming the missing flags,
+instead of dying of SIGILL inside a step. Each kernel library is built for one level
+(``-march`` below, never ``-march=native``) and reports back, through its own
+``kvgate_isa()``, which vector path it was compiled with (``cpu_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+from kvgate.errors import InvalidConfig
+
+LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+
+#: /proc/cpuinfo flags each level needs (each level needs those of the levels below too).
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "generic": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512bf16": ("avx512_bf16",),
+}
+
+#: Compiler target of each level. Named CPUs rather than -march=native, so a library built
+#: for a level runs on every CPU that has the level (and the cache can key on the level).
+MARCH: dict[str, tuple[str, ...]] = {
+    "generic": ("-march=x86-64", "-mtune=generic"),
+    "avx2": ("-march=haswell", "-mtune=generic"),
+    "avx512": ("-march=skylake-avx512", "-mtune=generic"),
+    "avx512bf16": ("-march=cooperlake", "-mtune=generic"),
+}
+
+ENV = "KVGATE_CPU_ISA"
+
+
+def required_flags(level: str) -> tuple[str, ...]:
+    """Every CPU flag ``level`` needs, its own and those of the levels below it."""
+    out: list[str] = []
+    for name in LEVELS[: LEVELS.index(level) + 1]:
+        out.extend(_FLAGS[name])
+    return tuple(out)
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def supported_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The levels this CPU can run, lowest first (``generic`` alone off x86)."""
+    if not is_x86():
+        return ("generic",)
+    have = cpu_flags() if flags is None else flags
+    return tuple(lv for lv in LEVELS if set(required_flags(lv)) <= have)
+
+
+def select_level(requested: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """``requested`` (or ``$KVGATE_CPU_ISA``) checked against the CPU; else the best level.
+
+    Raises ``InvalidConfig`` for an unknown level or one this CPU cannot run.
+    """
+    asked = requested if requested is not None else os.environ.get(ENV) or None
+    levels = supported_levels(flags)
+    if asked is None:
+        return levels[-1]
+    if asked not in LEVELS:
+        raise InvalidConfig(f"{ENV} must be one of {LEVELS}, got {asked!r}", param=ENV)
+    if asked not in levels:
+        have = cpu_flags() if flags is None else flags
+        missing = [f for f in required_flags(asked) if f not in have] or [platform.machine()]
+        raise InvalidConfig(
+            f"{ENV}={asked} needs CPU flags this CPU lacks: {', '.join(missing)} "
+            f"(it supports: {', '.join(levels)})",
+            param=ENV,
+        )
+    return asked
+
+
+@functools.cache
+def default_level() -> str:
+    """The level for this process: ``$KVGATE_CPU_ISA`` or the CPU's best (checked once)."""
+    return select_level()

@@ -1,0 +1,305 @@
+/* y = x W^T (+ b) on the CPU, with W packed once at load time (model/linear.py).
+ *
+ * Two vector paths, chosen by the build's target (isa.h):
+ *  - linear_bf16 with AVX512-BF16 (below): bf16 pairs multiplied by vdpbf16ps;
+ *  - linear_avx2 with AVX2 + FMA (further below): bf16 or int8 weights widened to float32 in
+ *    registers, for bf16 or float32 activations. Also built into the AVX-512 libraries, for
+ *    int8 weights there.
+ * Both keep one float32 summation order per output whatever the batch holds, so a
+ * sequence's logits never depend on what it is batched with.
+ *
+ * linear_bf16 (AVX512-BF16) layouts:
+ *   x    [M, K] bf16, K even
+ *   wp   [N / 32, K / 2, 32, 2] bf16: W packed in panels of 32 output columns; for each pair
+ *        of input features (2j, 2j + 1), the panel's 32 columns hold (W[n][2j], W[n][2j+1])
+ *        side by side: one vdpbf16ps multiplies that pair for 16 columns at once
+ *   bias [N] bf16 or NULL; y [M, N] bf16
+ *
+ * Each output is one float32 sum over k in pairs (2j, 2j + 1), j ascending, rounded to bf16
+ * once (nearest even) after the bias is added. A panel (32 columns x K) is streamed once and
+ * serves every row of x while it sits in L1/L2; rows go up to 8 at a time, 16 accumulators.
+ */
+#include <stdint.h>
+
+#include "isa.h"
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifdef KVGATE_AVX512BF16
+#include <immintrin.h>
+
+#include "bf16_avx512.h"
+
+/* One panel, ROWS rows of x starting at x: acc[r][h] is columns 16h..16h+15 of row r. */
+#define DEFINE_TILE(ROWS)                                                                     \
+static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* panel,          \
+                               const uint16_t* bias, uint16_t* y, int64_t N) {                \
+    __m512 acc[ROWS][2];                                                                      \
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();              \
+    const uint32_t* xp = (const uint32_t*)x; /* a pair of bf16 as one 32-bit lane */          \
+    const int64_t pairs = K / 2;                                                              \
+    for (int64_t j = 0; j < pairs; ++j) {                                                     \
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 64);                    \
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * 64 + 32);               \
+        for (int r = 0; r < ROWS; ++r) {                                                      \
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + j]);          \
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, a);                                   \
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);                                   \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < ROWS; ++r) {                                                          \
+        __m512 lo = acc[r][0], hi = acc[r][1];                                                \
+        if (bias) { lo = _mm512_add_ps(lo, bf16x16_load(bias)); hi = _mm512_add_ps(hi, bf16x16_load(bias + 16)); } \
+        _mm256_storeu_si256((__m256i*)(y + r * N), bf16x16_round(lo));                              \
+        _mm256_storeu_si256((__m256i*)(y + r * N + 16), bf16x16_round(hi));                         \
+    }                                                                                         \
+}
+
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+DEFINE_TILE(7)
+DEFINE_TILE(8)
+
+typedef void (*tile_fn)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*,
+                        int64_t);
+static const tile_fn TILES[9] = {0, tile_1, tile_2, tile_3, tile_4,
+                                 tile_5, tile_6, tile_7, tile_8};
+#endif
+
+/* 0 on success; -1 where this build or these shapes are not handled (caller falls back). */
+int linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                int M, int N, int K) {
+#ifdef KVGATE_AVX512BF16
+    if (K % 2 || N % 32 || M <= 0) return -1;
+    const int panels = N / 32;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        const uint16_t* panel = wp + (int64_t)p * K * 32;
+        const uint16_t* b = bias ? bias + p * 32 : NULL;
+        /* As few tiles as 8 rows at a time need, their rows spread evenly: 33 rows go
+         * 7+7+7+6+6, not 8+8+8+8+1, whose 1-row tile re-reads the panel for 2 FMAs per
+         * pair and costs a quarter of a full tile. */
+        const int tiles = (M + 7) / 8, base = M / tiles, longer = M % tiles;
+        for (int t = 0, m = 0; t < tiles; ++t) {
+            const int rows = base + (t < longer);
+            TILES[rows](x + (int64_t)m * K, K, panel, b, y + (int64_t)m * N + p * 32, N);
+            m += rows;
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+#ifdef KVGATE_AVX2
+#include <stdlib.h>
+
+#include "bf16_avx2.h"
+
+/* linear_avx2 layouts:
+ *   x     [M, K] bf16 (io_bf16) or float32
+ *   wp    [N / 16, K, 16]: W in panels of 16 output columns, the panel's 16 weights of input
+ *         k side by side, as bf16 (wtype 0) or int8 (wtype 1, 2). bf16 panels hold the columns
+ *         in the order 0-3, 8-11, 4-7, 12-15, so that unpacking with zeros (per 128-bit
+ *         lane) widens them to float32 in column order 0-7 and 8-15;
+ *   scale wtype 1: [N] float32, W[n, k] = scale[n] q[n, k] (per output channel);
+ *         wtype 2: [N / 16, K / 32, 16] float32, W[n, k] = scale[n / 16, k / 32, n % 16] q[n, k]
+ *         (blocks of 32 inputs, as llama.cpp's Q8_0); wtype 0: NULL
+ *   bias  [N] as x, or NULL; y [M, N] as x.
+ * Each output is one float32 FMA chain over k ascending; then (int8) times its scale, plus
+ * the bias, rounded once to bf16 (nearest even). x is widened to float32 once per call, so
+ * the inner loop is a broadcast and two FMAs per row and input feature.
+ *
+ * A tile is R rows x P panels: 2 R P accumulators, R P <= 6 (12 of the 16 ymm registers;
+ * the weights of one panel and one broadcast take the rest). Few rows take several panels
+ * at once, so there are always 8-12 independent FMA chains to cover the FMA latency. */
+
+/* The 16 weights of input k of one panel, as float32: columns 0-7 in lo, 8-15 in hi. gs: the
+ * panel's block scales [K / 32, 16] (int8 in blocks only). */
+static inline void w16_bf16(const void* panel, const float* gs, int64_t k, __m256* lo,
+                            __m256* hi) {
+    (void)gs;
+    const __m256i w = _mm256_loadu_si256((const __m256i*)((const uint16_t*)panel + k * 16));
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
+}
+
+static inline void w16_i8(const void* panel, const float* gs, int64_t k, __m256* lo,
+                          __m256* hi) {
+    (void)gs;
+    const __m128i w = _mm_loadu_si128((const __m128i*)((const int8_t*)panel + k * 16));
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w, 8)));
+}
+
+/* int8 in blocks of 32 inputs, each with its own scale per column (as llama.cpp's Q8_0): the
+ * weight is scaled in the register, before its FMA (the scales stay in memory operands: no
+ * register is free for them in a 6-row tile). */
+static inline void w16_i8b(const void* panel, const float* gs, int64_t k, __m256* lo,
+                           __m256* hi) {
+    const __m128i w = _mm_loadu_si128((const __m128i*)((const int8_t*)panel + k * 16));
+    const float* s = gs + (k >> 5) * 16;
+    *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w)), _mm256_loadu_ps(s));
+    *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w, 8))),
+                        _mm256_loadu_ps(s + 8));
+}
+
+/* out [R, 16 P] float32 = x [R rows at stride K] times P consecutive panels (stride pstride
+ * elements of the weight type). */
+#define DEFINE_WTILE(WNAME, WT, R, P)                                                          \
+static void tile_##WNAME##_##R##_##P(const float* x, int64_t K, const WT* w, int64_t pstride, \
+                                     const float* gs, float* out) {                          \
+    __m256 acc[R][P][2];                                                                      \
+    for (int r = 0; r < R; ++r)                                                               \
+        for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();       \
+    for (int64_t k = 0; k < K; ++k) {                                                         \
+        for (int p = 0; p < P; ++p) {                                                         \
+            __m256 lo, hi;                                                                    \
+            w16_##WNAME(w + p * pstride, gs ? gs + p * K / 2 : gs, k, &lo, &hi);             \
+            for (int r = 0; r < R; ++r) {                                                     \
+                const __m256 a = _mm256_broadcast_ss(x + r * K + k);                          \
+                acc[r][p][0] = _mm256_fmadd_ps(a, lo, acc[r][p][0]);                          \
+                acc[r][p][1] = _mm256_fmadd_ps(a, hi, acc[r][p][1]);                          \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < R; ++r)                                                               \
+        for (int p = 0; p < P; ++p) {                                                         \
+            _mm256_storeu_ps(out + r * 16 * P + p * 16, acc[r][p][0]);                        \
+            _mm256_storeu_ps(out + r * 16 * P + p * 16 + 8, acc[r][p][1]);                    \
+        }                                                                                     \
+}
+
+#define DEFINE_WTILES(WNAME, WT)                                                               \
+DEFINE_WTILE(WNAME, WT, 1, 1) DEFINE_WTILE(WNAME, WT, 1, 2) DEFINE_WTILE(WNAME, WT, 1, 3)        \
+DEFINE_WTILE(WNAME, WT, 1, 4) DEFINE_WTILE(WNAME, WT, 2, 1) DEFINE_WTILE(WNAME, WT, 2, 2)        \
+DEFINE_WTILE(WNAME, WT, 2, 3) DEFINE_WTILE(WNAME, WT, 3, 1) DEFINE_WTILE(WNAME, WT, 3, 2)        \
+DEFINE_WTILE(WNAME, WT, 4, 1) DEFINE_WTILE(WNAME, WT, 5, 1) DEFINE_WTILE(WNAME, WT, 6, 1)        \
+typedef void (*tile_##WNAME##_fn)(const float*, int64_t, const WT*, int64_t, const float*,    \
+                                  float*);                                                    \
+/* [R][P]: the tile of R rows and P panels (NULL where R P > 6 or P > PANELS[R]) */          \
+static const tile_##WNAME##_fn TILES_##WNAME[7][5] = {                                        \
+    {0},                                                                                      \
+    {0, tile_##WNAME##_1_1, tile_##WNAME##_1_2, tile_##WNAME##_1_3, tile_##WNAME##_1_4},      \
+    {0, tile_##WNAME##_2_1, tile_##WNAME##_2_2, tile_##WNAME##_2_3, 0},                       \
+    {0, tile_##WNAME##_3_1, tile_##WNAME##_3_2, 0, 0},                                        \
+    {0, tile_##WNAME##_4_1, 0, 0, 0},                                                         \
+    {0, tile_##WNAME##_5_1, 0, 0, 0},                                                         \
+    {0, tile_##WNAME##_6_1, 0, 0, 0},                                                         \
+};
+
+DEFINE_WTILES(bf16, uint16_t)
+DEFINE_WTILES(i8, int8_t)
+DEFINE_WTILES(i8b, int8_t)
+
+/* Panels a tile of R rows takes at once. */
+static const int PANELS[7] = {0, 4, 3, 2, 1, 1, 1};
+#define MAX_ROWS 6
+
+/* y rows [m, m + R), columns [16 p, 16 p + 16 P) from the tile's float32 sums. */
+static void epilogue(const float* acc, int R, int P, int64_t m, int64_t p, const float* scale,
+                     const void* bias, void* y, int64_t N, int io_bf16) {
+    const int64_t n0 = p * 16, cols = 16 * (int64_t)P;
+    for (int r = 0; r < R; ++r) {
+        for (int64_t c = 0; c < cols; c += 8) {
+            __m256 v = _mm256_loadu_ps(acc + r * cols + c);
+            if (scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + n0 + c));
+            if (io_bf16) {
+                if (bias) v = _mm256_add_ps(v, bf16x8_load((const uint16_t*)bias + n0 + c));
+                bf16x8_store((uint16_t*)y + (m + r) * N + n0 + c, v);
+            } else {
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps((const float*)bias + n0 + c));
+                _mm256_storeu_ps((float*)y + (m + r) * N + n0 + c, v);
+            }
+        }
+    }
+}
+
+/* 0 on success; -1 where these shapes are not handled (the caller falls back). */
+int linear_avx2(const void* x, const void* wp, const float* scale, const void* bias, void* y,
+                int M, int N, int K, int wtype, int io_bf16) {
+    if (N % 16 || M <= 0 || K <= 0 || wtype < 0 || wtype > 2) return -1;
+    if ((wtype == 0) != (scale == NULL) || (wtype == 2 && K % 32)) return -1;
+    float* xf = NULL;
+    if (io_bf16) {
+        xf = (float*)malloc((size_t)M * K * sizeof(float));
+        if (!xf) return -1;
+        const uint16_t* xb = (const uint16_t*)x;
+        #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
+        for (int64_t i = 0; i < (int64_t)M * K; i += 8) {
+            if (i + 8 <= (int64_t)M * K) {
+                _mm256_storeu_ps(xf + i, bf16x8_load(xb + i));
+            } else {
+                for (int64_t j = i; j < (int64_t)M * K; ++j) {
+                    const uint32_t u = (uint32_t)xb[j] << 16;
+                    memcpy(xf + j, &u, 4);
+                }
+            }
+        }
+    }
+    const float* xs = io_bf16 ? xf : (const float*)x;
+    const int64_t panels = N / 16, pstride = (int64_t)K * 16;
+    /* As few tiles as MAX_ROWS rows at a time need, their rows spread evenly (33 rows go
+     * 6+6+6+5+5+5, not 6+6+6+6+6+3). Tiles of base + 1 rows take at most that many panels. */
+    const int tiles = (M + MAX_ROWS - 1) / MAX_ROWS, base = M / tiles, longer = M % tiles;
+    const int P = PANELS[base + (longer > 0)];
+    /* Rows go in blocks whose float32 x (rows x K) fits in ~128 KiB of L2, and each block
+     * meets every panel of the thread's range: W is streamed from memory once per block, and
+     * x once per call. (Looping panels outermost instead streamed all of x once per panel:
+     * 5x the traffic of W for a 768-row prefill.) */
+    const int64_t block_rows = 32768 / K > MAX_ROWS ? 32768 / K : MAX_ROWS;
+    const int block_tiles = (int)(block_rows / (base + 1)) > 1 ? (int)(block_rows / (base + 1)) : 1;
+    #pragma omp parallel
+    {
+        /* Contiguous ranges of panels per thread: each streams its own part of W. */
+        int nt = 1, tid = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        tid = omp_get_thread_num();
+#endif
+        const int64_t p_lo = panels * tid / nt, p_hi = panels * (tid + 1) / nt;
+        float acc[MAX_ROWS * 16 * 4];
+        for (int t0 = 0; t0 < tiles; t0 += block_tiles) {
+            const int t1 = t0 + block_tiles < tiles ? t0 + block_tiles : tiles;
+            for (int64_t p = p_lo; p < p_hi; p += P) {
+                const int pn = p_hi - p < P ? (int)(p_hi - p) : P;
+                for (int t = t0; t < t1; ++t) {
+                    const int rows = base + (t < longer);
+                    const int64_t m = (int64_t)t * base + (t < longer ? t : longer);
+                    const float* x_t = xs + m * K;
+                    if (wtype == 0)
+                        TILES_bf16[rows][pn](x_t, K, (const uint16_t*)wp + p * pstride, pstride,
+                                             NULL, acc);
+                    else if (wtype == 1)
+                        TILES_i8[rows][pn](x_t, K, (const int8_t*)wp + p * pstride, pstride,
+                                           NULL, acc);
+                    else /* the panel's block scales: [K / 32, 16] floats = K / 2 */
+                        TILES_i8b[rows][pn](x_t, K, (const int8_t*)wp + p * pstride, pstride,
+                                            scale + p * (K / 2), acc);
+                    epilogue(acc, rows, pn, m, p, wtype == 1 ? scale : NULL, bias, y, N,
+                             io_bf16);
+                }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+#else
+int linear_avx2(const void* x, const void* wp, const float* scale, const void* bias, void* y,
+                int M, int N, int K, int wtype, int io_bf16) {
+    (void)x; (void)wp; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    (void)wtype; (void)io_bf16;
+    return -1;
+}
+#endif
+
+KVGATE_DEFINE_ISA()

@@ -1,0 +1,131 @@
+"""Weight-only int8 on the real SmolLM2: perplexity on a fixed public English text within 2% of
+bf16 (per-channel scales) or 0.5% (blocks of 32), and how often greedy decoding agrees with
+bf16 (reported)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgate import SamplingParams
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.entrypoints.llm import LLM
+from kvgate.model.attention import AttentionMetadata, PrefillSlice
+
+pytestmark = pytest.mark.slow
+
+#: The Apache License 2.0 as Debian ships it (/usr/share/common-licenses/Apache-2.0): a fixed,
+#: public English text of ~2,300 SmolLM2 tokens.
+TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
+WINDOW = 768  # tokens per forward pass; each window starts fresh
+
+
+def perplexity(engine: LLMEngine, ids: list[int]) -> float:
+    """exp(mean NLL) of every token after the first of each window, one prefill per window."""
+    model, (caches, bs) = engine.model, (engine.runner.kv_caches, engine.config.block_size)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, WINDOW):
+        window = torch.tensor(ids[start : start + WINDOW])
+        n = len(window)
+        blocks = torch.arange(-(-n // bs))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n),
+            num_decodes=0,
+            decode_blocks=torch.empty(0, dtype=torch.long),
+            decode_lens=torch.empty(0, dtype=torch.long),
+            prefills=(PrefillSlice(0, n, 0, blocks),),
+        )
+        hidden = model.forward(window, torch.arange(n), caches, meta)
+        logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1)
+        nll -= logprobs.gather(1, window[1:, None]).sum().item()
+        count += n - 1
+    return math.exp(nll / count)
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2_tokenizer: Any) -> list[int]:
+    ids: list[int] = smollm2_tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    return ids
+
+
+def _engine(path: Path, quantization: str | None) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="bfloat16",
+            quantization=quantization,
+            kv_cache_memory="128MiB",
+            max_model_len=2048,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def bf16_perplexity(smollm2_gguf_path: Path, text_ids: list[int]) -> float:
+    assert len(text_ids) > 2000
+    ppl = perplexity(_engine(smollm2_gguf_path, None), text_ids)
+    assert 2 < ppl < 30  # the model reads English: a broken forward pass would be ~50,000
+    return ppl
+
+
+#: Most an int8 format's perplexity may exceed bf16's: the issue's 2% for per-channel scales;
+#: blocks of 32 measured lossless (within 0.2% in float32), so they get a tighter bound.
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.02), ("int8-b32", 0.005)])
+def test_int8_perplexity_close_to_bf16(
+    smollm2_gguf_path: Path,
+    text_ids: list[int],
+    bf16_perplexity: float,
+    quantization: str,
+    bound: float,
+) -> None:
+    engine = _engine(smollm2_gguf_path, quantization)
+    assert engine.build_info["linear"].startswith(f"{quantization}-")
+    ppl = perplexity(engine, text_ids)
+    change = ppl / bf16_perplexity - 1
+    print(f"\nperplexity on {len(text_ids)} tokens: bf16 {bf16_perplexity:.3f}, "
+          f"{quantization} {ppl:.3f} ({change * 100:+.2f}%)")  # fmt: skip
+    assert abs(change) < bound
+
+
+def test_int8_greedy_agreement_report(smollm2_gguf_path: Path, smollm2_tokenizer: Any) -> None:
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn leaves.",
+        "List three prime numbers.",
+        "Explain what a cache is in one sentence.",
+        "Why is the sky blue?",
+        "Give me a recipe for pancakes.",
+    ]
+    prompts = [
+        smollm2_tokenizer.encode(
+            smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    runs = {}
+    for quantization in (None, "int8", "int8-b32"):
+        llm = LLM(
+            str(smollm2_gguf_path),
+            dtype="bfloat16",
+            quantization=quantization,
+            kv_cache_memory="128MiB",
+            max_model_len=2048,
+        )
+        runs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
+    for quantization in ("int8", "int8-b32"):
+        agree = []
+        for a, b in zip(runs[None], runs[quantization], strict=True):
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            agree.append(n)
+        print(f"\n{quantization} vs bf16: greedy tokens agreeing before the first divergence "
+              f"(of 32): {agree}")  # fmt: skip
+        assert sum(n >= 1 for n in agree) >= len(agree) - 1

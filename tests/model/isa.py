@@ -1,0 +1,15 @@
+"""The kernel paths a test can run on this machine: every ISA level the CPU supports.
+
+A machine with AVX512-BF16 runs the AVX2 path too (``KVGATE_CPU_ISA=avx2`` in production),
+so one CI machine covers every path below its own; a path above it is not listed (skipped,
+not failed: it cannot run here) and ``test_cpu_isa`` says so.
+"""
+
+from __future__ import annotations
+
+from kvgate.model import cpu_isa
+
+
+def vector_levels() -> list[str]:
+    """Levels with a vector path (not ``generic``) that this CPU can run, lowest first."""
+    return [lv for lv in cpu_isa.supported_levels() if lv != "generic"] or ["generic"]
