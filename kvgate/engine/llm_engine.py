@@ -107,6 +107,9 @@ class LLMEngine:
                 checkpoint.config.num_kv_heads,
                 checkpoint.config.head_dim,
                 decode_kernel=kernels.attention,
+                upcast=self.dtype == torch.bfloat16
+                and self.device.type == "cpu"
+                and not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
             ),
             source=checkpoint.path,
             kernels=kernels,

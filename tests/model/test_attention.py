@@ -1,4 +1,5 @@
-"""The torch attention backend's prefill paths against plain causal attention."""
+"""The torch attention backend's prefill paths against plain causal attention (with the native
+softmax or without, with bf16 matmuls or computed in float32 where those are slow)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def test_a_fresh_prompt_is_causal_attention_on_every_path(length: int, dtype: to
     p = PrefillSlice(pad, pad + length, start_pos=0, block_table=torch.zeros(1, dtype=torch.long))
     empty = torch.empty(0, dtype=dtype)
     exact = _causal(q, k, v)
-    for kernel in (None, load_paged_decode()):
-        got = TorchAttention(heads, kv_heads, d, kernel)._prefill(qb, kb, vb, empty, empty, p)
+    for kernel, upcast in ((None, False), (load_paged_decode(), False), (None, True)):
+        attention = TorchAttention(heads, kv_heads, d, kernel, upcast=upcast)
+        got = attention._prefill(qb, kb, vb, empty, empty, p)
         assert got.shape == (length, heads, d)
         if dtype == torch.float32:
             torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)

@@ -19,10 +19,12 @@
 #endif
 
 /* Threads for an op of `work` elements: one per `per_thread` of them, at most all OpenMP's.
- * These ops take about 0.6-2 ns per element on one AVX2 core, and a parallel region costs
- * about 1 us even with the threads awake, so each thread is given 1-2 us of work at least;
- * sizing the team by the work (not just on/off) also keeps a many-core machine from waking
- * every core for one decode row. 1: run on the calling thread. */
+ * These ops take about 0.6-2 ns per element on one AVX2 core. A parallel region costs about
+ * 1 us when the other threads are awake and free, but a whole scheduler time slice (ms) when
+ * one of them has been preempted (measured: 8 ms for an 8-row norm on a busy 2-core box), so
+ * each thread is given about 10 us of work at least (8 SmolLM2 rows): decode stays on the
+ * calling thread, as PyTorch's own element-wise ops do at these sizes. Sizing the team by
+ * the work also keeps a many-core machine from waking every core for a few rows. */
 static int threads_for(int64_t work, int64_t per_thread) {
 #ifdef _OPENMP
     const int64_t n = work / per_thread, most = omp_get_max_threads();
@@ -180,8 +182,8 @@ static inline void rotate_heads(const uint16_t* x, const uint16_t* cos,
 /* qkv [T, (Hq + 2 Hkv) D] -> q_out [T, Hq, D], k_out [T, Hkv, D] rotated; rotated K and V
  * written to the head-major caches [Hkv, N * BS, D] at slots[t]. cos/sin tables [P, D].
  * Threads split tokens, one per ROPE_PER_THREAD rotated elements (SmolLM2: 12 heads of 64,
- * 768 a token, about 1 us on one AVX2 core): 2 threads from 3 tokens on. */
-#define ROPE_PER_THREAD 1024
+ * 768 a token, about 1 us on one AVX2 core): 2 threads from 16 tokens on. */
+#define ROPE_PER_THREAD 6144
 void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
                         const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
                         uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int T, int Hq,
@@ -343,9 +345,9 @@ static void silu_mul_span(const uint16_t* g, const uint16_t* u, uint16_t* o, int
 /* gate_up [T, 2I] -> out [T, I] = silu(gate) * up (silu_mul_span per row).
  * The work is split in spans of SILU_SPAN outputs (a multiple of 16 lanes), so that a few
  * long rows still share out. One thread per SILU_PER_THREAD outputs (SmolLM2: I = 1536, about
- * 1 us a row on one AVX2 core with the table): 2 threads from 2 rows on. */
+ * 1 us a row on one AVX2 core with the table): 2 threads from 16 rows on. */
 #define SILU_SPAN 256
-#define SILU_PER_THREAD 1536
+#define SILU_PER_THREAD 12288
 void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int T, int I) {
 #ifdef HAVE_SILU_TABLE
     silu_table_fill();
@@ -512,8 +514,8 @@ static void add_rms_norm_row8(const uint16_t* x, uint16_t* res, const uint16_t* 
  * then x * r rounded to bf16, then times the weight rounded again. Returns -1 (Python then
  * uses torch) only in the plain-C build, for H past its scratch (MAX_HIDDEN).
  * Threads split rows, one per NORM_PER_THREAD elements (SmolLM2: H = 576, about 1 us a row
- * on one AVX2 core): 2 threads from 3 rows on. */
-#define NORM_PER_THREAD 768
+ * on one AVX2 core): 2 threads from 16 rows on. */
+#define NORM_PER_THREAD 4608
 int add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight,
                       uint16_t* out, int T, int H, float eps) {
 #ifndef HAVE_AVX2
