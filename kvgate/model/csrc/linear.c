@@ -152,27 +152,36 @@ static inline void w16_i8b(const void* panel, const float* gs, int64_t k, __m256
                         _mm256_loadu_ps(s + 8));
 }
 
-/* out [R, 16 P] float32 = x [R rows at stride K] times P consecutive panels (stride pstride
- * elements of the weight type). */
+/* (The unroll pragmas make gcc unroll before it scalarises acc[][][]: without them the 12
+ * accumulators went to the stack and back on every k, half the speed.)
+ * out [R, 16 P] float32 (+)= x [R rows at stride K] times P consecutive panels (stride pstride
+ * elements of the weight type), over inputs k0 <= k < k1: the sums continue from out when
+ * `more`, so a run of k ranges in ascending order is the same FMA chain as one range. */
 #define DEFINE_WTILE(WNAME, WT, R, P)                                                          \
 static void tile_##WNAME##_##R##_##P(const float* x, int64_t K, const WT* w, int64_t pstride, \
-                                     const float* gs, float* out) {                          \
+                                     const float* gs, int64_t k0, int64_t k1, int more,      \
+                                     float* out) {                                           \
     __m256 acc[R][P][2];                                                                      \
-    for (int r = 0; r < R; ++r)                                                               \
-        for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();       \
-    for (int64_t k = 0; k < K; ++k) {                                                         \
-        for (int p = 0; p < P; ++p) {                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 8") for (int p = 0; p < P; ++p) {                                 \
+            acc[r][p][0] = more ? _mm256_loadu_ps(out + r * 16 * P + p * 16)                  \
+                                : _mm256_setzero_ps();                                        \
+            acc[r][p][1] = more ? _mm256_loadu_ps(out + r * 16 * P + p * 16 + 8)              \
+                                : _mm256_setzero_ps();                                        \
+        }                                                                                     \
+    for (int64_t k = k0; k < k1; ++k) {                                                       \
+        _Pragma("GCC unroll 8") for (int p = 0; p < P; ++p) {                                 \
             __m256 lo, hi;                                                                    \
             w16_##WNAME(w + p * pstride, gs ? gs + p * K / 2 : gs, k, &lo, &hi);             \
-            for (int r = 0; r < R; ++r) {                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {                             \
                 const __m256 a = _mm256_broadcast_ss(x + r * K + k);                          \
                 acc[r][p][0] = _mm256_fmadd_ps(a, lo, acc[r][p][0]);                          \
                 acc[r][p][1] = _mm256_fmadd_ps(a, hi, acc[r][p][1]);                          \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (int r = 0; r < R; ++r)                                                               \
-        for (int p = 0; p < P; ++p) {                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 8") for (int p = 0; p < P; ++p) {                                 \
             _mm256_storeu_ps(out + r * 16 * P + p * 16, acc[r][p][0]);                        \
             _mm256_storeu_ps(out + r * 16 * P + p * 16 + 8, acc[r][p][1]);                    \
         }                                                                                     \
@@ -184,7 +193,7 @@ DEFINE_WTILE(WNAME, WT, 1, 4) DEFINE_WTILE(WNAME, WT, 2, 1) DEFINE_WTILE(WNAME, 
 DEFINE_WTILE(WNAME, WT, 2, 3) DEFINE_WTILE(WNAME, WT, 3, 1) DEFINE_WTILE(WNAME, WT, 3, 2)        \
 DEFINE_WTILE(WNAME, WT, 4, 1) DEFINE_WTILE(WNAME, WT, 5, 1) DEFINE_WTILE(WNAME, WT, 6, 1)        \
 typedef void (*tile_##WNAME##_fn)(const float*, int64_t, const WT*, int64_t, const float*,    \
-                                  float*);                                                    \
+                                  int64_t, int64_t, int, float*);                             \
 /* [R][P]: the tile of R rows and P panels (NULL where R P > 6 or P > PANELS[R]) */          \
 static const tile_##WNAME##_fn TILES_##WNAME[7][5] = {                                        \
     {0},                                                                                      \
@@ -203,6 +212,8 @@ DEFINE_WTILES(i8b, int8_t)
 /* Panels a tile of R rows takes at once. */
 static const int PANELS[7] = {0, 4, 3, 2, 1, 1, 1};
 #define MAX_ROWS 6
+#define BLOCK_TILES 16 /* tiles of rows per block: 96 rows at most */
+#define K_CHUNK 256    /* inputs per chunk; a multiple of 32 (the int8 blocks) */
 
 /* y rows [m, m + R), columns [16 p, 16 p + 16 P) from the tile's float32 sums. */
 static void epilogue(const float* acc, int R, int P, int64_t m, int64_t p, const float* scale,
@@ -251,12 +262,16 @@ int linear_avx2(const void* x, const void* wp, const float* scale, const void* b
      * 6+6+6+5+5+5, not 6+6+6+6+6+3). Tiles of base + 1 rows take at most that many panels. */
     const int tiles = (M + MAX_ROWS - 1) / MAX_ROWS, base = M / tiles, longer = M % tiles;
     const int P = PANELS[base + (longer > 0)];
-    /* Rows go in blocks whose float32 x (rows x K) fits in ~128 KiB of L2, and each block
-     * meets every panel of the thread's range: W is streamed from memory once per block, and
-     * x once per call. (Looping panels outermost instead streamed all of x once per panel:
-     * 5x the traffic of W for a 768-row prefill.) */
+    /* Rows go in blocks of up to BLOCK_TILES tiles whose float32 x fits in ~128 KiB of L2,
+     * and each block meets every panel of the thread's range: W is streamed from memory once
+     * per block, and x once per call (panels outermost streamed all of x once per panel: 5x
+     * the traffic of W for a 768-row prefill). Inside a block, inputs go in chunks of K_CHUNK,
+     * every tile of the block taking the chunk in turn: the chunk of the panel (8 KiB of
+     * bf16) and of one tile's x (6 KiB) stay in L1, where a whole panel row of K = 1536 did
+     * not (49 KiB). */
     const int64_t block_rows = 32768 / K > MAX_ROWS ? 32768 / K : MAX_ROWS;
-    const int block_tiles = (int)(block_rows / (base + 1)) > 1 ? (int)(block_rows / (base + 1)) : 1;
+    int block_tiles = (int)(block_rows / (base + 1)) > 1 ? (int)(block_rows / (base + 1)) : 1;
+    block_tiles = block_tiles < BLOCK_TILES ? block_tiles : BLOCK_TILES;
     #pragma omp parallel
     {
         /* Contiguous ranges of panels per thread: each streams its own part of W. */
@@ -266,26 +281,32 @@ int linear_avx2(const void* x, const void* wp, const float* scale, const void* b
         tid = omp_get_thread_num();
 #endif
         const int64_t p_lo = panels * tid / nt, p_hi = panels * (tid + 1) / nt;
-        float acc[MAX_ROWS * 16 * 4];
+        float acc[BLOCK_TILES][MAX_ROWS * 16 * 4];
         for (int t0 = 0; t0 < tiles; t0 += block_tiles) {
             const int t1 = t0 + block_tiles < tiles ? t0 + block_tiles : tiles;
             for (int64_t p = p_lo; p < p_hi; p += P) {
                 const int pn = p_hi - p < P ? (int)(p_hi - p) : P;
+                for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                    const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+                    for (int t = t0; t < t1; ++t) {
+                        const int rows = base + (t < longer);
+                        const float* x_t = xs + ((int64_t)t * base + (t < longer ? t : longer)) * K;
+                        float* a = acc[t - t0];
+                        if (wtype == 0)
+                            TILES_bf16[rows][pn](x_t, K, (const uint16_t*)wp + p * pstride,
+                                                 pstride, NULL, k0, k1, k0 > 0, a);
+                        else if (wtype == 1)
+                            TILES_i8[rows][pn](x_t, K, (const int8_t*)wp + p * pstride,
+                                               pstride, NULL, k0, k1, k0 > 0, a);
+                        else /* the panel's block scales: [K / 32, 16] floats = K / 2 */
+                            TILES_i8b[rows][pn](x_t, K, (const int8_t*)wp + p * pstride,
+                                                pstride, scale + p * (K / 2), k0, k1, k0 > 0, a);
+                    }
+                }
                 for (int t = t0; t < t1; ++t) {
-                    const int rows = base + (t < longer);
                     const int64_t m = (int64_t)t * base + (t < longer ? t : longer);
-                    const float* x_t = xs + m * K;
-                    if (wtype == 0)
-                        TILES_bf16[rows][pn](x_t, K, (const uint16_t*)wp + p * pstride, pstride,
-                                             NULL, acc);
-                    else if (wtype == 1)
-                        TILES_i8[rows][pn](x_t, K, (const int8_t*)wp + p * pstride, pstride,
-                                           NULL, acc);
-                    else /* the panel's block scales: [K / 32, 16] floats = K / 2 */
-                        TILES_i8b[rows][pn](x_t, K, (const int8_t*)wp + p * pstride, pstride,
-                                            scale + p * (K / 2), acc);
-                    epilogue(acc, rows, pn, m, p, wtype == 1 ? scale : NULL, bias, y, N,
-                             io_bf16);
+                    epilogue(acc[t - t0], base + (t < longer), pn, m, p,
+                             wtype == 1 ? scale : NULL, bias, y, N, io_bf16);
                 }
             }
         }
