@@ -139,6 +139,13 @@ def main() -> None:
         help="alternate kvgate and transformers this many times; report medians",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument(
+        "--hf-dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="transformers' dtype (default: kvgate's); float32 is its faster one on CPUs "
+        "without AVX512-BF16",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write results here")
     a = ap.parse_args()
     print(describe_machine())
@@ -150,8 +157,8 @@ def main() -> None:
         max_num_seqs=128,
         max_num_batched_tokens=1024,
     )
-    torch_dtype = llm.engine.dtype
-    dtype = str(torch_dtype).removeprefix("torch.")
+    dtype = a.hf_dtype or str(llm.engine.dtype).removeprefix("torch.")
+    torch_dtype = getattr(torch, dtype)
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads; kvgate: {llm.engine.build_info}")
     weight_bytes = llm.engine.model.weight_bytes()
@@ -170,6 +177,7 @@ def main() -> None:
         # path keeps weights packed and computes in fp32, which would be an unfair peer.
         hf_dir = export_for_peers(dtype)
         hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+        print(f"transformers in {dtype}")
 
     # Warm-up both sides (allocator, oneDNN kernel selection).
     wp, wo = workload(4, 0, (16, 32), (8, 8))
