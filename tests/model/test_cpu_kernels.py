@@ -174,3 +174,24 @@ def test_loading_the_kernels_keeps_subnormal_floats(level: str) -> None:
     tiny = np.array([1e-40], dtype=np.float32)  # subnormal in float32
     assert (tiny * np.float32(1.0))[0] != 0.0
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
+
+
+@levels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_is_batch_invariant(level: str, dtype: torch.dtype) -> None:
+    """A sequence's attention output is the same bits alone or in any batch."""
+    kernel = _kernel(level)
+    lens, bs, num_blocks, heads, kv_heads, d = [3, 40, 17, 129, 64], 16, 48, 9, 3, 64
+    meta = _decode_meta(lens, bs, num_blocks, seed=7)
+    torch.manual_seed(7)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, d).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, d).to(dtype)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    scale = d**-0.5
+    batched = kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
+    tables = meta.decode_blocks.view(len(lens), -1)
+    for i in range(len(lens)):
+        alone = kernel(
+            q[i : i + 1], k_cache, v_cache, tables[i], meta.decode_lens[i : i + 1], scale
+        )
+        assert torch.equal(alone, batched[i : i + 1])
