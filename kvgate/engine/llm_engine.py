@@ -37,7 +37,7 @@ from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.llama import LlamaModel
-from kvgate.model.precision import resolve_dtype
+from kvgate.model.precision import resolve_dtype, upcast_attention
 from kvgate.sampling_params import SamplingParams
 from kvgate.tokenizer import Tokenizer
 
@@ -107,9 +107,7 @@ class LLMEngine:
                 checkpoint.config.num_kv_heads,
                 checkpoint.config.head_dim,
                 decode_kernel=kernels.attention,
-                upcast=self.dtype == torch.bfloat16
-                and self.device.type == "cpu"
-                and not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                upcast=upcast_attention(self.dtype, self.device),
             ),
             source=checkpoint.path,
             kernels=kernels,

@@ -46,7 +46,8 @@ class LlamaModel:
         quantization: str | None = None,
     ) -> None:
         """``kernels``: the native CPU kernels to use where they apply (None: PyTorch only);
-        ``quantization``: ``"int8"`` for weight-only int8 linear layers (see ``linear.py``)."""
+        ``quantization``: ``"int8"`` or ``"int8-b32"`` for weight-only int8 linear layers
+        (see ``linear.py``)."""
         self.config = config
         self.dtype = dtype
         self.device = device

@@ -27,3 +27,14 @@ def resolve_dtype(name: str, device: torch.device, kernels: CpuKernels) -> tuple
     if factory.path != "torch-bfloat16":
         return torch.bfloat16, f"auto: native bf16 linear ({factory.path})"
     return torch.float32, "auto: no native bf16 linear on this CPU, float32 is faster"
+
+
+def upcast_attention(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16 attention matmuls should run in float32 here: on CPUs where PyTorch has no
+    fast bf16 matmul (oneDNN needs AVX512-BF16 or AMX for it; without, bf16 matmuls fall
+    back to a path ~10x slower than float32)."""
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
