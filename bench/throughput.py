@@ -16,9 +16,7 @@ must read every weight once, so tokens/s <= copy bandwidth / weight bytes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import statistics
 import time
@@ -27,24 +25,12 @@ from pathlib import Path
 import torch
 
 from kvgate import LLM, SamplingParams
+from kvgate.model import cpu_isa
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.hf_export import save_hf_checkpoint
 from kvgate.model.registry import DEFAULT_MODEL
 
 CACHE = Path.home() / ".cache" / "kvgate" / "bench"
-
-
-def describe_machine() -> str:
-    """The CPU's model name and x86 levels: every figure printed is from this CPU."""
-    from kvgate.model import cpu_isa
-
-    name = "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {os.cpu_count()} cores, ISA levels {'/'.join(cpu_isa.supported_levels())}"
 
 
 def export_for_peers(dtype: str) -> Path:
@@ -148,7 +134,7 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=None, help="also write results here")
     a = ap.parse_args()
-    print(describe_machine())
+    print(cpu_isa.describe_cpu())
     copy_bw, read_bw = measure_bandwidth()
     llm = LLM(
         dtype=a.dtype,

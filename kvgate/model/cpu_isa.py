@@ -14,6 +14,7 @@ instead of dying of SIGILL inside a step. Each kernel library is built for one l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -99,3 +100,14 @@ def select_level(requested: str | None = None, flags: frozenset[str] | None = No
 def default_level() -> str:
     """The level for this process: ``$KVGATE_CPU_ISA`` or the CPU's best (checked once)."""
     return select_level()
+
+
+def describe_cpu() -> str:
+    """The CPU's model name, cores and ISA levels, for logs and benchmark headers."""
+    name = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores, ISA levels {'/'.join(supported_levels())}"

@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ _FLAGS = {
         "-freciprocal-math",
     ],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
+    "decode_layers.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
     "linear.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 
@@ -90,6 +92,11 @@ def build_library(name: str, level: str) -> Path | None:
             return None
         os.replace(out, target)  # atomic: concurrent builders never see half a file
     return target
+
+
+def fn_address(fn: Any) -> int:  # a ctypes function of a loaded library
+    """A loaded kernel's address, for C code that calls it through a pointer."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,10 @@ class PagedDecodeKernel:
                 ctypes.c_int,
                 ctypes.c_float,
             ]
+
+    def decode_address(self, dtype: torch.dtype) -> int:
+        """The paged decode kernel's address, for C code that calls it (``native_decode``)."""
+        return fn_address(self._fns[dtype])
 
     #: Scratch limits compiled into the kernel (MAX_G, MAX_D, MAX_BS in paged_decode.c).
     MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64

@@ -18,6 +18,7 @@ from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAtt
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
 from kvgate.model.linear import Linear, LinearFactory
+from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
 
@@ -74,6 +75,7 @@ class LlamaModel:
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
         )
         self.ops = self._layer_ops(kernels.elementwise if kernels else None)
+        self.native_decode = self._native_decode(kernels.level) if kernels else None
 
     def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
@@ -82,6 +84,16 @@ class LlamaModel:
         if lib is None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return torch_ops
         return FusedCpuLayerOps(lib, self.rope, heads, torch_ops)
+
+    def _native_decode(self, level: str) -> NativeDecode | None:
+        if self.dtype != torch.bfloat16:
+            return None
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        layers = [
+            ((w.qkv, w.o, w.gate_up, w.down), w.post_norm, next_norm)
+            for w, next_norm in zip(self.layers, next_norms, strict=True)
+        ]
+        return NativeDecode.build(self.config, layers, self.ops, self.attention, level)
 
     def _take(
         self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
@@ -139,7 +151,8 @@ class LlamaModel:
 
     def build_info(self, isa: str) -> dict[str, str]:
         """What runs each op of this model: ``isa`` (the level the kernels were built for),
-        then per op the kernel's vector path or ``torch``."""
+        then per op the kernel's vector path or ``torch``; ``decode``: ``layers-<isa>`` where
+        decode steps run whole layers per native call, else ``per-op``."""
         attention = (
             self.attention.decode_kernel if isinstance(self.attention, TorchAttention) else None
         )
@@ -149,6 +162,7 @@ class LlamaModel:
             "linear": self.linear.path,
             "attention": attention.isa if attention is not None else "torch",
             "elementwise": self.ops.isa if isinstance(self.ops, FusedCpuLayerOps) else "torch",
+            "decode": f"layers-{native.isa}" if (native := self.native_decode) else "per-op",
         }
 
     def num_parameters(self) -> int:
@@ -182,6 +196,18 @@ class LlamaModel:
         ops = self.ops
         residual = F.embedding(input_ids, self.embed)  # [T, H]; updated in place below
         h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
+        native = self.native_decode
+        if native is not None and native.applies(kv_caches, meta):
+            # Decodes only: whole layers per native call, the same kernels in the same order.
+            step = native.start(positions, residual, h, meta)
+            if between_layers is None:
+                native.run(step, 0, len(self.layers))
+            else:
+                for i in range(len(self.layers)):
+                    if i:
+                        between_layers()
+                    native.run(step, i, i + 1)
+            return h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and between_layers is not None:
                 between_layers()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
-from kvgate.model.cpu_kernels import KernelLibrary
+from kvgate.model.cpu_kernels import KernelLibrary, fn_address
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -133,6 +133,14 @@ class FusedCpuLayerOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+
+    def kernel_addresses(self) -> dict[str, int]:
+        """Each kernel's address, for C code that calls them (``native_decode``)."""
+        return {
+            "rope_write_kv": fn_address(self._rope),
+            "add_norm": fn_address(self._add_norm),
+            "silu_mul": fn_address(self._silu_mul),
+        }
 
     def add_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

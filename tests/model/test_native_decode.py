@@ -1,0 +1,132 @@
+"""Whole decode layers in one native call: bit-identical to the per-op path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.model import cpu_isa
+from kvgate.model.native_decode import NativeDecode
+from kvgate.sampling_params import SamplingParams
+from tests.model.isa import vector_levels
+
+levels = pytest.mark.parametrize("level", vector_levels())
+
+
+@pytest.fixture
+def forced_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    level: str = request.param
+    monkeypatch.setenv("KVGATE_CPU_ISA", level)
+    cpu_isa.default_level.cache_clear()
+    yield level
+    cpu_isa.default_level.cache_clear()
+
+
+def _engine(model_dir: Path, quantization: str | None) -> LLMEngine:
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model_dir), dtype="bfloat16", quantization=quantization,
+            kv_cache_memory="32MiB", max_model_len=512, block_size=16,
+        )
+    )  # fmt: skip
+    # A fresh checkpoint's norms are all ones: make each differ, so a norm used in the wrong
+    # place shows (in place: the native layers point at these tensors).
+    g = torch.Generator().manual_seed(7)
+    model = eng.model
+    for norm in [model.final_norm] + [n for w in model.layers for n in (w.input_norm, w.post_norm)]:
+        norm.copy_(torch.rand(norm.shape, generator=g) + 0.5)
+    return eng
+
+
+def _run(eng: LLMEngine, record: list[torch.Tensor]) -> dict[str, list[int]]:
+    """Three sequences of different lengths (block edges crossed while decoding), greedy;
+    every decode step's final hidden states go to ``record``."""
+    forward = eng.model.forward
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        h = forward(*args, **kwargs)
+        if not args[3].prefills:
+            record.append(h.clone())
+        return h
+
+    eng.model.forward = recording  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    for rid, n in (("a", 5), ("b", 14), ("c", 40)):
+        eng.add_request(rid, list(range(300, 300 + n)), greedy)
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("forced_level", vector_levels(), indirect=True)
+@pytest.mark.parametrize("quantization", [None, "int8", "int8-b32"])
+def test_native_decode_layers_equal_the_per_op_path(
+    forced_level: str, quantization: str | None, tiny_llama_dir: Path
+) -> None:
+    if forced_level == "generic":
+        pytest.skip("no vector path on this CPU: decode runs per op on PyTorch")
+    native_eng = _engine(tiny_llama_dir, quantization)
+    native = native_eng.model.native_decode
+    if native is None:
+        pytest.skip("kernels unavailable (no C compiler)")
+    assert isinstance(native, NativeDecode) and native.isa == forced_level
+    assert native_eng.build_info["decode"] == f"layers-{forced_level}"
+    calls = []
+    run = native.run
+    native.run = lambda step, l0, l1: (calls.append((l0, l1)), run(step, l0, l1))[1]  # type: ignore[method-assign]
+    between: list[int] = []
+    native_eng.between_layers = lambda: between.append(1)  # the server's urgent-step hook
+
+    per_op_eng = _engine(tiny_llama_dir, quantization)
+    per_op_eng.model.native_decode = None
+
+    got_h: list[torch.Tensor] = []
+    want_h: list[torch.Tensor] = []
+    got = _run(native_eng, got_h)
+    want = _run(per_op_eng, want_h)
+    assert got == want
+    assert len(got_h) == len(want_h) > 20
+    for g, w in zip(got_h, want_h, strict=True):
+        assert torch.equal(g, w)
+    layers = len(native_eng.model.layers)
+    # Layer by layer when there is a hook to run between them, and the hook ran between.
+    assert set(calls) == {(i, i + 1) for i in range(layers)}
+    assert len(between) >= len(got_h) * (layers - 1)
+
+
+@levels
+def test_native_decode_runs_all_layers_in_one_call_without_a_hook(
+    level: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if level == "generic":
+        pytest.skip("no vector path on this CPU")
+    monkeypatch.setenv("KVGATE_CPU_ISA", level)
+    cpu_isa.default_level.cache_clear()
+    try:
+        eng = _engine(tiny_llama_dir, None)
+    finally:
+        cpu_isa.default_level.cache_clear()
+    native = eng.model.native_decode
+    if native is None:
+        pytest.skip("kernels unavailable (no C compiler)")
+    calls = []
+    run = native.run
+    native.run = lambda step, l0, l1: (calls.append((l0, l1)), run(step, l0, l1))[1]  # type: ignore[method-assign]
+    _run(eng, [])
+    assert calls and set(calls) == {(0, len(eng.model.layers))}
+
+
+def test_float32_models_keep_the_per_op_path(tiny_llama_dir: Path) -> None:
+    eng = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB",
+                     max_model_len=256)
+    )  # fmt: skip
+    assert eng.model.native_decode is None
+    assert eng.build_info["decode"] == "per-op"
