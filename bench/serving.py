@@ -37,8 +37,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import describe_machine, export_for_peers
+from throughput import export_for_peers
 
+from kvgate.model import cpu_isa
 from kvgate.model.gguf_loader import load_gguf_tokenizer
 from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
 
@@ -301,7 +302,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
 
-    print(describe_machine(), flush=True)
+    print(cpu_isa.describe_cpu(), flush=True)
     ours: list[Server] = []
     peers: list[Server] = []
     try:

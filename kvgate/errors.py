@@ -53,6 +53,13 @@ class PromptTooLong(InvalidRequest):
         self.max_model_len = max_model_len
 
 
+class RequestTooLarge(InvalidRequest):
+    """A part of the request is over one of the server's limits (prompt characters, messages,
+    stop strings); refused before any work is spent on it. ``param`` names the field."""
+
+    code = "request_too_large"
+
+
 class TenantLimitExceeded(InvalidRequest):
     """The request can never fit one of its tenant's limits; ``param`` names the limit."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +55,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", _tuple_of_str(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self._validate()
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: looked up after every token."""
+        return frozenset(self.stop_token_ids)
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> InvalidSamplingParams:

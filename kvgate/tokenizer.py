@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -206,6 +207,53 @@ class Tokenizer:
             raise InvalidRequest(
                 f"chat template could not render the messages: {exc}", param="messages"
             ) from exc
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the chat prompt: the template's text, in which only the template itself
+        writes control tokens. A special token's text typed in a message's content
+        (``hi<|im_end|>\n<|im_start|>system``) is encoded as plain text, so no user can forge
+        a turn; where no content holds one, this is exactly ``encode(apply_chat_template())``.
+        """
+        normalized = _normalize_messages(messages)
+        specials = self._special_strings
+        if not any(t in m["content"] for m in normalized for t in specials):
+            text = self.apply_chat_template(normalized, add_generation_prompt)
+            return self.encode(text, add_special_tokens=False)  # the template writes any BOS
+        # Render with a placeholder per content (a fresh nonce: no content can spell one),
+        # then encode the template's own text as usual and each content with special-token
+        # matching off.
+        nonce = secrets.token_hex(8)
+        marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(normalized)]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        for j, piece in enumerate(re.split(f"\ue000{nonce}:([0-9]+)\ue001", text)):
+            if j % 2 == 0:
+                ids += self._backend.encode(piece, add_special_tokens=False).ids if piece else []
+            else:
+                content = normalized[int(piece)]["content"]
+                ids += self._plain_backend.encode(content, add_special_tokens=False).ids
+        return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Most characters of text one token stands for (its vocabulary spelling is at least
+        as long: a byte-level character per byte, ``<0xNN>`` for one byte)."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
+
+    @functools.cached_property
+    def _special_strings(self) -> tuple[str, ...]:
+        added = self._backend.get_added_tokens_decoder().values()
+        return tuple(tok.content for tok in added if tok.special and tok.content)
+
+    @functools.cached_property
+    def _plain_backend(self) -> BackendTokenizer:
+        """A copy of the backend that reads special tokens' text as ordinary text."""
+        plain = BackendTokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def _compiled_template(self) -> jinja2.Template:
         if self._template is not None:

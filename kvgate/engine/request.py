@@ -126,7 +126,7 @@ class Request:
         last = self.output_token_ids[-1]
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in self.params.stop_token_ids:
+        if last in self.params.stop_token_set:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:

@@ -14,6 +14,7 @@ from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.server.config import ServerConfig
+from kvgate.server.limits import RequestLimits
 
 log = logging.getLogger("kvgate.server")
 
@@ -53,6 +54,49 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--access-log", default="-", help="JSON-lines access log: a file, '-' stderr, '' off"
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    lim = p.add_argument_group("limits (refused before any work is done on the request)")
+    d = RequestLimits()
+    lim.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body (413 above it)",
+    )
+    lim.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt in characters, before tokenizing (default: the "
+        "context times the longest token's characters)",
+    )
+    lim.add_argument(
+        "--max-messages", type=int, default=d.max_messages, help="most messages in a chat request"
+    )
+    lim.add_argument("--max-stop", type=int, default=d.max_stop, help="most stop strings")
+    lim.add_argument(
+        "--max-stop-chars", type=int, default=d.max_stop_chars, help="longest stop string"
+    )
+    lim.add_argument(
+        "--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="most stop_token_ids"
+    )
+    lim.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout,
+        help="seconds to send a request's headers before the connection closes",
+    )
+    lim.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout,
+        help="seconds without body bytes before the request gets 408",
+    )
+    lim.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections past which requests get 503",
+    )
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
@@ -69,6 +113,17 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         max_queue_len=a.max_queue_len,
         access_log=a.access_log,
         log_level=a.log_level,
+        limits=RequestLimits(
+            max_body_bytes=a.max_body_bytes,
+            max_prompt_chars=a.max_prompt_chars,
+            max_messages=a.max_messages,
+            max_stop=a.max_stop,
+            max_stop_chars=a.max_stop_chars,
+            max_stop_token_ids=a.max_stop_token_ids,
+            header_timeout=a.header_timeout,
+            body_timeout=a.body_timeout,
+            max_connections=a.max_connections,
+        ),
     )
 
 
@@ -106,6 +161,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     import uvicorn
 
     from kvgate.server.app import build_app
+    from kvgate.server.http import uvicorn_config
 
     setup_logging(config)
     failed: list[BaseException] = []
@@ -128,12 +184,12 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         tracer_provider=provider,
     )
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             app,
-            host=config.host,
-            port=config.port,
+            config.host,
+            config.port,
+            config.limits,
             log_level=config.log_level,
-            access_log=False,  # ours is the JSON-lines log with request ids and tokens
             timeout_graceful_shutdown=5,
         )
     )

@@ -62,6 +62,8 @@ class Ticket:
     gate: TenantGate
     tenant: str
     charged_tokens: int
+    #: Whether ``cancel`` gives the request back (not when it was charged at the door).
+    refund_request: bool = True
     released: bool = field(default=False)
 
     def release(self, used_tokens: int | None = None) -> None:
@@ -75,7 +77,7 @@ class Ticket:
         if self.released:
             return
         self.released = True
-        self.gate._release(self, 0, refund_request=True)
+        self.gate._release(self, 0, refund_request=self.refund_request)
 
 
 class TenantGate:
@@ -98,7 +100,9 @@ class TenantGate:
         """Admitted and not yet released, all tenants: the server's queue as it stands."""
         return sum(s.in_flight for s in list(self._state.values()))
 
-    def admit_all(self, spec: TenantSpec, sizes: list[tuple[int, int]]) -> list[Ticket]:
+    def admit_all(
+        self, spec: TenantSpec, sizes: list[tuple[int, int]], *, paid: bool = False
+    ) -> list[Ticket]:
         """Admit the (prompt tokens, max tokens) of every choice of one request, or none.
 
         What the choices can never fit together (more tokens than tokens_per_minute, more
@@ -121,15 +125,61 @@ class TenantGate:
         tickets: list[Ticket] = []
         try:
             for prompt_tokens, max_tokens in sizes:
-                tickets.append(self.admit(spec, prompt_tokens, max_tokens))
+                tickets.append(self.admit(spec, prompt_tokens, max_tokens, paid=paid))
         except KVGateError:
             for ticket in tickets:
                 ticket.cancel()
             raise
         return tickets
 
-    def admit(self, spec: TenantSpec, prompt_tokens: int, max_tokens: int) -> Ticket:
-        """Admit one request (``n`` choices count as ``n`` calls) or raise."""
+    def room_for(self, spec: TenantSpec, prompt_tokens: int) -> int | None:
+        """Most output tokens one request of ``prompt_tokens`` may ask for under the
+        tenant's limits (max_context, tokens_per_minute, kv_ceiling); None: no such limit.
+        A request that gives no max_tokens is charged this much, not the whole context, so
+        it is never refused for a limit it could not have reached."""
+        caps = []
+        if spec.max_context is not None:
+            caps.append(spec.max_context)
+        if spec.tokens_per_minute is not None:
+            caps.append(spec.tokens_per_minute)
+        ceiling = spec.share(self.num_blocks).ceiling_blocks
+        if ceiling is not None:
+            caps.append(ceiling * self.block_size)
+        return min(caps) - prompt_tokens if caps else None
+
+    def charge_requests(self, spec: TenantSpec, n: int) -> None:
+        """Take ``n`` requests from the tenant's requests-per-minute bucket, at the door,
+        before any work is done for them (a request refused later still counts); raise
+        ``RateLimited`` when they are not there, and ``TenantLimitExceeded`` for more
+        choices than the limit could ever hold."""
+        if spec.requests_per_minute is None:
+            return
+        if n > spec.requests_per_minute:
+            raise TenantLimitExceeded(
+                f"the request's {n} choices exceed tenant {spec.name!r}'s "
+                f"requests_per_minute={spec.requests_per_minute}",
+                limit="requests_per_minute",
+                value=spec.requests_per_minute,
+            )
+        now = self.clock()
+        state = self._state.setdefault(spec.name, _TenantState())
+        state.requests = _sync(state.requests, spec.requests_per_minute, now)
+        assert state.requests is not None
+        if state.requests.level < n:
+            wait = state.requests.wait_for(n)
+            raise RateLimited(
+                f"tenant {spec.name!r} is over requests_per_minute={spec.requests_per_minute}; "
+                f"retry in {math.ceil(wait)} s",
+                retry_after=wait,
+                headers=_headers(state),
+            )
+        state.requests.level -= n
+
+    def admit(
+        self, spec: TenantSpec, prompt_tokens: int, max_tokens: int, *, paid: bool = False
+    ) -> Ticket:
+        """Admit one request (``n`` choices count as ``n`` calls) or raise. ``paid``: its
+        request was charged at the door (``charge_requests``), not here."""
         total = prompt_tokens + max_tokens
         if spec.max_context is not None and total > spec.max_context:
             raise PromptTooLong(prompt_tokens, max_tokens, spec.max_context)
@@ -151,7 +201,8 @@ class TenantGate:
             )
         now = self.clock()
         state = self._state.setdefault(spec.name, _TenantState())
-        state.requests = _sync(state.requests, spec.requests_per_minute, now)
+        if not paid:
+            state.requests = _sync(state.requests, spec.requests_per_minute, now)
         state.tokens = _sync(state.tokens, spec.tokens_per_minute, now)
         headers = _headers(state)
         if spec.max_concurrent is not None and state.in_flight >= spec.max_concurrent:
@@ -162,7 +213,7 @@ class TenantGate:
                 headers=headers,
             )
         waits = []
-        if state.requests is not None and state.requests.level < 1:
+        if not paid and state.requests is not None and state.requests.level < 1:
             waits.append(
                 ("requests_per_minute", spec.requests_per_minute, state.requests.wait_for(1))
             )
@@ -177,12 +228,12 @@ class TenantGate:
                 retry_after=wait,
                 headers=headers,
             )
-        if state.requests is not None:
+        if not paid and state.requests is not None:
             state.requests.level -= 1
         if state.tokens is not None:
             state.tokens.level -= total
         state.in_flight += 1
-        return Ticket(self, spec.name, total)
+        return Ticket(self, spec.name, total, refund_request=not paid)
 
     def headers(self, tenant: str) -> dict[str, str]:
         """``x-ratelimit-*`` headers for a response to ``tenant``."""

@@ -36,9 +36,11 @@ from kvgate.server.chat import create_chat_completion
 from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
+from kvgate.server.door import Door, off_loop
 from kvgate.server.errors import AuthenticationFailed, ModelLoading, install_error_handlers
 from kvgate.server.generation import ServingContext
 from kvgate.server.governance import Governance
+from kvgate.server.limits import GuardMiddleware
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
 from kvgate.server.protocol import (
     ChatCompletionRequest,
@@ -88,8 +90,11 @@ def _load(
         return
     pool = engine.engine.kv_pool
     state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
+    door = Door(
+        state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
+    )
     serving = ServingContext(
-        engine, state.config.served_model_name, state.governance, state.tracing
+        engine, state.config.served_model_name, state.governance, door, state.tracing
     )
     # Everything alive now (modules, model, tokenizer) lives as long as the server: keep it
     # out of the garbage collector. A full collection walks every tracked object and holds
@@ -209,6 +214,13 @@ def build_app(
     install_error_handlers(app)
     install_admin_routes(app)
     install_dashboard(app, recent)
+    # Limits and the key check run before anything reads the body; only the access log
+    # (which reads no body) is outside them, so refusals are logged too.
+    app.add_middleware(
+        GuardMiddleware,
+        limits=config.limits,
+        key_ok=lambda auth: state.governance.tenants.tenant_of(auth) is not None,
+    )
     app.add_middleware(AccessLogMiddleware)
 
     @app.get("/health")
@@ -252,22 +264,22 @@ def build_app(
             return Response(status_code=499)
 
     @app.post("/tokenize")
-    def tokenize(body: TokenizeRequest, ctx: Serving) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, ctx: Serving) -> dict[str, Any]:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
+        ctx.door.check_sizes(body, None)
         tok = ctx.tokenizer
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             for m in messages:
                 m.setdefault("content", "")
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt is not False
-            )
-            ids = tok.encode(text, add_special_tokens=False)
+            add_generation_prompt = body.add_generation_prompt is not False
+            ids = await off_loop(tok.encode_chat, messages, add_generation_prompt)
         else:
             assert body.prompt is not None
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            add_special = body.add_special_tokens is not False
+            ids = await off_loop(tok.encode, body.prompt, add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")

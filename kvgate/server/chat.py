@@ -12,7 +12,9 @@ from starlette.responses import JSONResponse
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
+from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
+from kvgate.server.door import off_loop
 from kvgate.server.generation import (
     ServingContext,
     admit_choices,
@@ -25,15 +27,15 @@ from kvgate.server.tracing import CHAT
 
 
 def _prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    """The templated prompt's ids (on a worker thread: see ``door.off_loop``); special
+    tokens' text in a message is plain text (``Tokenizer.encode_chat``)."""
     messages = []
     for m in body.messages:
         message = m.model_dump(exclude_none=True)
         message.setdefault("content", "")  # an assistant turn may carry no content
         messages.append(message)
     add_generation_prompt = body.add_generation_prompt is not False
-    text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    # The template writes any BOS itself.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    return ctx.tokenizer.encode_chat(messages, add_generation_prompt)
 
 
 def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
@@ -76,7 +78,8 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     record = access_record(http)
     record.model = ctx.served_model_name
-    prompt = _prompt_ids(ctx, body)
+    ctx.door.enter(record.tenant or DEFAULT_TENANT, body)
+    prompt = await off_loop(_prompt_ids, ctx, body)
     record.prompt_tokens = len(prompt)
     response_id = f"chatcmpl-{record.request_id}"
     requests, tracker = admit_choices(

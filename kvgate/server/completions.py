@@ -11,7 +11,9 @@ from starlette.responses import JSONResponse
 
 from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
+from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
+from kvgate.server.door import off_loop
 from kvgate.server.generation import (
     ServingContext,
     admit_choices,
@@ -80,7 +82,8 @@ async def create_completion(
     _check_unsupported(body)
     record = access_record(http)
     record.model = ctx.served_model_name
-    prompts = _prompts(ctx, body)
+    ctx.door.enter(record.tenant or DEFAULT_TENANT, body)
+    prompts = await off_loop(_prompts, ctx, body)
     record.prompt_tokens = sum(len(p) for p in prompts)
     n = body.n or 1
     # Before admission: nothing that may fail stands between admitting and the response.

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.errors import InvalidConfig
+from kvgate.server.limits import RequestLimits
 from kvgate.settings_file import read_table
 
 
@@ -32,6 +33,9 @@ class ServerConfig:
     #: Where the JSON-lines access log goes: a file path, "-" for stderr, "" for nowhere.
     access_log: str = "-"
     log_level: str = "info"
+    #: What one request may make the server do (body size, prompt size, stop lists, read
+    #: timeouts, connections); see server/limits.py.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

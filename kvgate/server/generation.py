@@ -28,6 +28,7 @@ from kvgate.errors import InvalidRequest, KVGateError, PromptTooLong, QueueTimeo
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.sampling_params import SamplingParams
 from kvgate.server.access_log import AccessRecord, access_record
+from kvgate.server.door import Door
 from kvgate.server.errors import ModelNotServed, error_body, status_of
 from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,6 +42,7 @@ class ServingContext:
     engine: AsyncLLM
     served_model_name: str
     governance: Governance
+    door: Door
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -101,7 +103,9 @@ def build_choices(
     """One engine request per (prompt, choice), choice index = prompt_index * n + j.
 
     With a seed, choice j samples with ``seed + j``: reproducible, yet the n choices differ.
-    Without ``max_tokens`` a choice may run to the end of the context, as OpenAI's API does.
+    Without ``max_tokens`` a choice may run to the end of the context, as OpenAI's API does,
+    or as far as its tenant's limits let it (``Governance.room_for``): it is charged that,
+    and what it did not use is given back when it ends.
     """
     n = body.n or 1
     requests: list[Request] = []
@@ -111,6 +115,11 @@ def build_choices(
         room = ctx.max_model_len - len(prompt)
         if room <= 0 or (max_tokens is not None and max_tokens > room):
             raise PromptTooLong(len(prompt), max_tokens or 1, ctx.max_model_len)
+        allowed = ctx.governance.room_for(context.tenant, len(prompt))
+        if allowed is not None:
+            # At least one token: a prompt already over a limit is refused by admission,
+            # naming that limit.
+            room = max(1, min(room, allowed))
         for j in range(n):
             params = sampling_params(
                 body,
@@ -163,7 +172,7 @@ def admit_choices(
     except KVGateError as exc:
         ctx.governance.count_refusal(tenant, exc.code)
         raise
-    admission = ctx.governance.admit(tenant, requests)
+    admission = ctx.governance.admit(tenant, requests, paid=True)  # charged at the door
     try:
         span = ctx.tracing.start(
             http.headers,

@@ -88,16 +88,21 @@ class Governance:
             queue_deadline=None if spec.max_queue_time is None else now + spec.max_queue_time,
         )
 
-    def admit(self, tenant: str, requests: Sequence[Request]) -> Admission:
-        """Admit every choice or none (raises the refusal, counted by its code)."""
+    def admit(self, tenant: str, requests: Sequence[Request], *, paid: bool = False) -> Admission:
+        """Admit every choice or none (raises the refusal, counted by its code). ``paid``:
+        the choices' requests were charged at the door (``TenantGate.charge_requests``)."""
         assert self.gate is not None, "admission before the engine is ready"
         sizes = [(r.num_prompt_tokens, r.params.max_tokens) for r in requests]
         try:
-            tickets = self.gate.admit_all(self.spec(tenant), sizes)
+            tickets = self.gate.admit_all(self.spec(tenant), sizes, paid=paid)
         except KVGateError as exc:
             self.count_refusal(tenant, exc.code)
             raise
         return Admission(tickets)
+
+    def room_for(self, tenant: str, prompt_tokens: int) -> int | None:
+        """See ``TenantGate.room_for``; None before the engine is ready or without limits."""
+        return self.gate.room_for(self.spec(tenant), prompt_tokens) if self.gate else None
 
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.refusals[(tenant, reason)] += 1

@@ -18,6 +18,7 @@ from kvgate.config import EngineConfig
 from kvgate.entrypoints.serve import engine_loader
 from kvgate.server.app import ServerState, build_app
 from kvgate.server.config import ServerConfig
+from kvgate.server.http import uvicorn_config
 from tests.conftest import tiny_engine_config
 
 API_KEY = "sk-test-key-a"
@@ -52,8 +53,9 @@ def start_server(engine_config: EngineConfig, config: ServerConfig) -> LiveServe
     port = _free_port()
     config = ServerConfig(**{**config.__dict__, "port": port})
     app = build_app(config, engine_loader(engine_config, config.max_queue_len))
+    # The production server's settings (header timeout, connection limit).
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        uvicorn_config(app, "127.0.0.1", port, config.limits, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

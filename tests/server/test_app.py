@@ -22,6 +22,7 @@ from kvgate.errors import ModelNotFound
 from kvgate.server.app import build_app
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import (
+    API_KEY,
     LiveServer,
     aborted_requests,
     start_server,
@@ -82,10 +83,13 @@ def test_a_model_that_fails_to_load_is_reported(tmp_path: Path) -> None:
 
 
 def test_unknown_route_and_method_use_the_error_shape(live_server: LiveServer) -> None:
-    r = httpx.get(f"{live_server.base_url}/v1/nothing")
+    key = {"authorization": f"Bearer {API_KEY}"}
+    r = httpx.get(f"{live_server.base_url}/v1/nothing", headers=key)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.get(f"{live_server.api_url}/completions")
+    r = httpx.get(f"{live_server.api_url}/completions", headers=key)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    # Without a key the API says only that: 401, whatever the path.
+    assert httpx.get(f"{live_server.base_url}/v1/nothing").status_code == 401
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,193 @@
+"""Limits on what one request may make the server do, enforced before the work is done.
+
+``RequestLimits`` holds every limit (each a ``kvgate serve`` flag, defaults documented
+there and in the README). ``GuardMiddleware`` is the outermost layer of the app, pure ASGI,
+so it runs before FastAPI reads or parses a byte of the body:
+
+1. a body over ``max_body_bytes`` is refused with 413, on its ``Content-Length`` before
+   reading, or as soon as the bytes received pass the limit (chunked bodies);
+2. a body that stalls (no bytes for ``body_timeout`` seconds) is refused with 408;
+3. API routes need a valid key before their body is read (401 otherwise): the body of an
+   unauthenticated request is never parsed, so it costs its sender, not the server.
+
+Header timeouts and the connection limit live in the HTTP server (``server/http.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvgate.errors import InvalidConfig
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    #: Largest request body in bytes (413 above it). 8 MiB holds a 128k-token prompt as text
+    #: several times over, and a long list of token ids.
+    max_body_bytes: int = 8 * 2**20
+    #: Longest prompt in characters, over all messages (400 above it, before tokenizing).
+    #: None: the model's context times its longest token in characters, the most characters
+    #: a prompt that fits the context can have.
+    max_prompt_chars: int | None = None
+    #: Most messages in one chat request.
+    max_messages: int = 1024
+    #: Most stop strings, and the longest one (characters).
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    #: Most ``stop_token_ids``.
+    max_stop_token_ids: int = 256
+    #: Seconds a client may take to send a request's headers, and to send each chunk of
+    #: its body, before the connection is closed (header) or refused with 408 (body).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    #: Most open connections; requests on connections past it get 503.
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_body_bytes", "max_messages", "max_stop", "max_stop_chars",
+            "max_stop_token_ids", "max_connections",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise InvalidConfig(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise InvalidConfig("max_prompt_chars must be >= 1", param="max_prompt_chars")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidConfig(f"{name} must be > 0, got {getattr(self, name)}", param=name)
+
+
+#: Paths whose callers must hold a tenant key (when keys exist) before the body is read.
+_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _error(status: int, message: str, err_type: str, code: str, param: str | None) -> bytes:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return json.dumps(body).encode()
+
+
+async def _send_error(
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Refused(Exception):
+    """Raised from the wrapped ``receive``: the body broke a limit."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+class GuardMiddleware:
+    """See the module docstring. ``key_ok(authorization header or None)``: whether the caller
+    may use the API (always true on an open server)."""
+
+    def __init__(
+        self, app: ASGIApp, limits: RequestLimits, key_ok: Callable[[str | None], bool]
+    ) -> None:
+        self.app = app
+        self.limits = limits
+        self.key_ok = key_ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limits.max_body_bytes
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _send_error(send, 413, self._too_large(length.decode("latin-1")))
+            return
+        path: str = scope["path"]
+        if path.startswith(_KEYED_PREFIXES):
+            auth = headers.get(b"authorization")
+            if not self.key_ok(auth.decode("latin-1") if auth is not None else None):
+                message = (
+                    "Incorrect API key provided"
+                    if auth
+                    else "Missing API key: send 'Authorization: Bearer YOUR_KEY'"
+                )
+                body = _error(401, message, "authentication_error", "invalid_api_key", None)
+                await _send_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
+                return
+        received = 0
+        refusal: _Refused | None = None  # set once the body broke a limit
+        sent = False  # whether a response has started
+
+        async def guarded_receive() -> Message:
+            nonlocal received, refusal
+            try:
+                message = await asyncio.wait_for(receive(), self.limits.body_timeout)
+            except TimeoutError:
+                refusal = _Refused(408, self._stalled())
+                raise refusal from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    refusal = _Refused(413, self._too_large(f"more than {received}"))
+                    raise refusal
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            # FastAPI turns an error raised while it reads the body into its own 400: the
+            # refusal's own status and message go out instead.
+            nonlocal sent
+            if refusal is not None:
+                if not sent:
+                    sent = True
+                    await _send_error(send, refusal.status, refusal.body)
+                return
+            sent = sent or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except _Refused:
+            pass
+        except Exception:
+            if refusal is None:
+                raise
+        if refusal is not None and not sent:
+            await _send_error(send, refusal.status, refusal.body)
+
+    def _stalled(self) -> bytes:
+        return _error(
+            408,
+            f"the request body stalled: no bytes for {self.limits.body_timeout:g} s",
+            "invalid_request_error",
+            "request_timeout",
+            None,
+        )
+
+    def _too_large(self, size: str) -> bytes:
+        return _error(
+            413,
+            f"request body of {size} bytes is over the limit of {self.limits.max_body_bytes} bytes",
+            "invalid_request_error",
+            "request_too_large",
+            None,
+        )
