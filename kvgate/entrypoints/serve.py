@@ -39,6 +39,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "re-read on SIGHUP or POST /admin/reload",
     )
     g.add_argument(
+        "--metrics-key",
+        action="append",
+        default=[],
+        help="a key (or sha256:<hex>) that may read per-tenant /metrics and /dashboard figures "
+        "(repeatable; the tenants file's metrics_keys and admin_keys may too); without one, "
+        "callers see aggregates only",
+    )
+    g.add_argument(
         "--scheduling",
         default="fair",
         choices=["fair", "fifo"],
@@ -109,6 +117,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         served_model_name=name,
         api_keys_file=a.api_keys_file,
         tenants_file=a.tenants,
+        metrics_keys=tuple(a.metrics_key),
         scheduling=a.scheduling,
         max_queue_len=a.max_queue_len,
         access_log=a.access_log,

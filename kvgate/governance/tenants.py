@@ -3,6 +3,7 @@
 TOML (or YAML, by extension)::
 
     admin_keys = ["sha256:9f86d0..."]          # may call /admin/*; plain keys are hashed on load
+    metrics_keys = ["sk-prometheus"]           # may read per-tenant /metrics and /dashboard
 
     [tenants.search]
     keys = ["sha256:2c26b4...", "sk-search-2"]
@@ -171,6 +172,8 @@ class TenantsConfig:
     keys: Mapping[bytes, str] = field(default_factory=dict)
     admin_keys: frozenset[bytes] = frozenset()
     source: str | None = None
+    #: Keys that may read per-tenant figures (/metrics, /dashboard) but call nothing else.
+    metrics_keys: frozenset[bytes] = frozenset()
 
     @property
     def open(self) -> bool:
@@ -210,6 +213,16 @@ class TenantsConfig:
             return False
         return any(hmac.compare_digest(known, digest) for known in self.admin_keys)
 
+    def may_observe(self, authorization: str | None) -> bool:
+        """Whether the caller may see per-tenant figures (names, tokens, KV blocks, refusals):
+        anyone on an open server, else an admin or metrics key."""
+        if self.open or self.is_admin(authorization):
+            return True
+        digest = _bearer_digest(authorization)
+        return digest is not None and any(
+            hmac.compare_digest(known, digest) for known in self.metrics_keys
+        )
+
     def shares(self, num_blocks: int) -> dict[str, TenantShare]:
         return {name: spec.share(num_blocks) for name, spec in self.tenants.items()}
 
@@ -218,11 +231,11 @@ class TenantsConfig:
         """Parse and validate a tenants file; every mistake is named with where it is."""
         where = os.fspath(path)
         data = read_table(path, what="tenants file", param="tenants")
-        unknown = set(data) - {"tenants", "admin_keys"}
+        unknown = set(data) - {"tenants", "admin_keys", "metrics_keys"}
         if unknown:
             raise InvalidConfig(
-                f"{where}: unknown top-level setting(s) {sorted(unknown)}; expected 'tenants' "
-                "and 'admin_keys'",
+                f"{where}: unknown top-level setting(s) {sorted(unknown)}; expected 'tenants', "
+                "'admin_keys' and 'metrics_keys'",
                 param="tenants",
             )
         raw_tenants = data.get("tenants")
@@ -263,7 +276,13 @@ class TenantsConfig:
         admin = frozenset(
             parse_key(k, f"{where}: admin_keys[{i}]") for i, k in enumerate(raw_admin)
         )
-        return cls(tenants, keys, admin, where)
+        raw_metrics = data.get("metrics_keys", [])
+        if not isinstance(raw_metrics, list):
+            raise _bad(f"{where}: metrics_keys must be a list")
+        metrics = frozenset(
+            parse_key(k, f"{where}: metrics_keys[{i}]") for i, k in enumerate(raw_metrics)
+        )
+        return cls(tenants, keys, admin, where, metrics)
 
 
 def _bearer_digest(authorization: str | None) -> bytes | None:

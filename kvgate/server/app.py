@@ -12,7 +12,7 @@ import gc
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
 from kvgate.engine.async_llm import AsyncLLM
@@ -28,7 +29,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import EngineDead, InvalidRequest, KVGateError
-from kvgate.governance.tenants import TenantsConfig
+from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.server.access_log import AccessLogMiddleware, access_record
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
@@ -116,6 +117,18 @@ def _load(
     )
 
 
+class _Aggregates:
+    """A registry's metric families without the per-tenant ones (``kvgate:tenant_*``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not family.name.startswith("kvgate:tenant_"):
+                yield family
+
+
 def _state(request: Request) -> ServerState:
     state: ServerState = request.app.state.kvgate
     return state
@@ -151,11 +164,13 @@ Serving = Annotated[ServingContext, Depends(serving)]
 
 
 def _governance(config: ServerConfig) -> Governance:
+    metrics = frozenset(parse_key(k, "--metrics-key") for k in config.metrics_keys)
     if config.tenants_file is not None:
-        return Governance(TenantsConfig.load(config.tenants_file), config.tenants_file)
+        return Governance(TenantsConfig.load(config.tenants_file), config.tenants_file, metrics)
     if config.api_keys_file is not None:
-        return Governance(TenantsConfig.from_key_table(load_api_keys_file(config.api_keys_file)))
-    return Governance(TenantsConfig.open_config())
+        table = load_api_keys_file(config.api_keys_file)
+        return Governance(TenantsConfig.from_key_table(table), metrics_keys=metrics)
+    return Governance(TenantsConfig.open_config(), metrics_keys=metrics)
 
 
 def _reload_on_sighup(governance: Governance) -> None:
@@ -219,7 +234,10 @@ def build_app(
     app.add_middleware(
         GuardMiddleware,
         limits=config.limits,
-        key_ok=lambda auth: state.governance.tenants.tenant_of(auth) is not None,
+        key_ok=lambda auth: (
+            state.governance.tenants.tenant_of(auth) is not None
+            or state.governance.tenants.may_observe(auth)  # admins and metrics keys: the schema
+        ),
     )
     app.add_middleware(AccessLogMiddleware)
 
@@ -231,8 +249,14 @@ def build_app(
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+    def metrics(request: Request) -> Response:
+        # Per-tenant series name the tenants and what they do: only for a metrics or admin
+        # key (or an open server); anyone else gets the aggregates.
+        if state.governance.tenants.may_observe(request.headers.get("authorization")):
+            return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            generate_latest(_Aggregates(state.registry)), media_type=CONTENT_TYPE_LATEST
+        )
 
     @app.get("/v1/models")
     def models(ctx: Serving) -> dict[str, Any]:

@@ -33,6 +33,9 @@ class ServerConfig:
     #: Where the JSON-lines access log goes: a file path, "-" for stderr, "" for nowhere.
     access_log: str = "-"
     log_level: str = "info"
+    #: Keys (plain, or ``sha256:<hex>``) that may read per-tenant /metrics and /dashboard
+    #: figures, besides the tenants file's ``metrics_keys`` and ``admin_keys``.
+    metrics_keys: tuple[str, ...] = ()
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)

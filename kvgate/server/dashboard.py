@@ -73,7 +73,13 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
     def data(request: Request) -> dict[str, Any]:
         state = request.app.state.kvgate
         engine = state.engine
-        out: dict[str, Any] = {"model": state.config.served_model_name, "ready": engine is not None}
+        # Tenants' names and use only for a metrics or admin key (or an open server).
+        observer = state.governance.tenants.may_observe(request.headers.get("authorization"))
+        out: dict[str, Any] = {
+            "model": state.config.served_model_name,
+            "ready": engine is not None,
+            "tenants_hidden": not observer,
+        }
         if engine is None:
             return out
         pool, sched = engine.kv_cache.pool, engine.scheduler
@@ -88,7 +94,9 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
                 "free": pool.num_free_blocks - cached,
                 "usage": round(pool.num_used_blocks / pool.num_blocks, 4),
             },
-            tenants=[
+            tenants=[]
+            if not observer
+            else [
                 {
                     "name": name,
                     "blocks": row["kv_blocks_held"],
@@ -158,7 +166,11 @@ function row(t) {
 }
 async function refresh() {
   try {
-    const d = await (await fetch("dashboard/data", {cache: "no-store"})).json();
+    // A metrics or admin key in the page's fragment (/dashboard#key=...; never sent to the
+    // server, so never in a log) shows the tenants' rows.
+    const key = new URLSearchParams(location.hash.slice(1)).get("key");
+    const headers = key ? {authorization: "Bearer " + key} : {};
+    const d = await (await fetch("dashboard/data", {cache: "no-store", headers})).json();
     setText("model", d.model);
     setText("status", d.ready ? "ready" : "loading");
     document.getElementById("status").className = d.ready ? "muted" : "down";

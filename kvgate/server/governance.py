@@ -8,6 +8,7 @@ stays in force.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -50,8 +51,16 @@ class Admission:
 
 
 class Governance:
-    def __init__(self, tenants: TenantsConfig, tenants_file: str | None = None) -> None:
-        self.tenants = tenants
+    def __init__(
+        self,
+        tenants: TenantsConfig,
+        tenants_file: str | None = None,
+        metrics_keys: frozenset[bytes] = frozenset(),
+    ) -> None:
+        """``metrics_keys``: digests of keys given on the command line that may read
+        per-tenant figures; they survive reloads of the tenants file."""
+        self.extra_metrics_keys = metrics_keys
+        self.tenants = self._with_metrics_keys(tenants)
         self.tenants_file = tenants_file
         self.gate: TenantGate | None = None
         self.policy: TenantFairPolicy | None = None
@@ -73,6 +82,13 @@ class Governance:
         self.policy = policy
         self._apply_policy = run_in_engine
         self._push_shares(self.tenants)
+
+    def _with_metrics_keys(self, tenants: TenantsConfig) -> TenantsConfig:
+        if not self.extra_metrics_keys:
+            return tenants
+        return dataclasses.replace(
+            tenants, metrics_keys=tenants.metrics_keys | self.extra_metrics_keys
+        )
 
     def spec(self, tenant: str) -> TenantSpec:
         return self.tenants.spec(tenant)
@@ -112,7 +128,7 @@ class Governance:
         if self.tenants_file is None:
             raise InvalidConfig("no tenants file to reload (start with --tenants FILE)")
         with self._lock:
-            new = TenantsConfig.load(self.tenants_file)
+            new = self._with_metrics_keys(TenantsConfig.load(self.tenants_file))
             self.tenants = new
             self._push_shares(new)
         log.info("tenants reloaded from %s: %s", self.tenants_file, ", ".join(sorted(new.tenants)))

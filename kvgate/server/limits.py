@@ -63,7 +63,7 @@ class RequestLimits:
 
 
 #: Paths whose callers must hold a tenant key (when keys exist) before the body is read.
-_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/openapi.json")
 
 
 def _error(status: int, message: str, err_type: str, code: str, param: str | None) -> bytes:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, LiveServer
+from tests.server.conftest import API_KEY, METRICS_KEY, LiveServer
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "kvgate-alerts.yml"
@@ -64,7 +64,9 @@ def _exported_families(live: LiveServer) -> set[str]:
         json={"prompt": "hello there", "max_tokens": 3},
         headers={"Authorization": f"Bearer {API_KEY}"},
     )
-    text = httpx.get(f"{live.base_url}/metrics").text
+    text = httpx.get(
+        f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}
+    ).text
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 

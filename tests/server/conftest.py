@@ -22,6 +22,8 @@ from kvgate.server.http import uvicorn_config
 from tests.conftest import tiny_engine_config
 
 API_KEY = "sk-test-key-a"
+#: May read the per-tenant /metrics and /dashboard figures of ``live_server``.
+METRICS_KEY = "sk-test-metrics"
 MODEL = "tiny"
 
 
@@ -83,7 +85,11 @@ def api_keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def live_server(tiny_llama_dir: Path, api_keys_file: Path) -> Iterator[LiveServer]:
     live = start_server(
         tiny_engine_config(tiny_llama_dir),
-        ServerConfig(served_model_name=MODEL, api_keys_file=str(api_keys_file)),
+        ServerConfig(
+            served_model_name=MODEL,
+            api_keys_file=str(api_keys_file),
+            metrics_keys=(METRICS_KEY,),
+        ),
     )
     yield live
     live.stop()
@@ -100,10 +106,12 @@ def wait_idle(live: LiveServer, timeout: float = 5.0) -> None:
     raise AssertionError(f"engine still busy: {engine.scheduler.requests}")
 
 
-def scrape_metrics(live: LiveServer) -> dict[str, float]:
-    """``name{labels}`` -> value from /metrics (histogram buckets skipped)."""
+def scrape_metrics(live: LiveServer, key: str = METRICS_KEY) -> dict[str, float]:
+    """``name{labels}`` -> value from /metrics (histogram buckets skipped), read with ``key``
+    (a metrics or admin key: per-tenant series included)."""
     values: dict[str, float] = {}
-    for line in httpx.get(f"{live.base_url}/metrics").text.splitlines():
+    text = httpx.get(f"{live.base_url}/metrics", headers={"authorization": f"Bearer {key}"}).text
+    for line in text.splitlines():
         if line.startswith(("vllm:", "kvgate:")) and "_bucket" not in line:
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL, LiveServer, wait_idle
+from tests.server.conftest import API_KEY, METRICS_KEY, MODEL, LiveServer, wait_idle
 
 webdriver = pytest.importorskip("selenium.webdriver")
 
@@ -55,7 +55,9 @@ def test_dashboard_shows_live_state(browser: object, live_server: LiveServer) ->
     client.completions.create(model=MODEL, prompt="warm the latencies", max_tokens=4)
     wait_idle(live_server)
     # Poll fast: the tiny model's longest request lasts well under a second.
-    chrome.get(f"{live_server.base_url}/dashboard?refresh=100")  # type: ignore[attr-defined]
+    # The metrics key in the fragment: the page shows the tenants' rows.
+    url = f"{live_server.base_url}/dashboard?refresh=100#key={METRICS_KEY}"
+    chrome.get(url)  # type: ignore[attr-defined]
 
     def text(element_id: str) -> str:
         return str(chrome.find_element(By.ID, element_id).text)  # type: ignore[attr-defined]
@@ -96,7 +98,21 @@ def test_dashboard_shows_live_state(browser: object, live_server: LiveServer) ->
     )
 
 
-def test_dashboard_data_is_open_json(live_server: LiveServer) -> None:
+def test_dashboard_data_is_open_json_without_tenant_names(live_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=live_server.api_url, api_key=API_KEY, max_retries=0)
+    client.completions.create(model=MODEL, prompt="so team-a has a row", max_tokens=2)
     data = httpx.get(f"{live_server.base_url}/dashboard/data").json()
     assert data["ready"] is True and data["kv"]["blocks"] > 0
     assert set(data["latency"]) >= {"ttft_p50", "ttft_p99", "itl_p50", "generation_tok_s"}
+    # Without a metrics or admin key: aggregates only, no tenant named.
+    assert data["tenants"] == [] and data["tenants_hidden"] is True
+    for key in (API_KEY, "sk-nobody"):  # a tenant key is not enough either
+        hidden = httpx.get(
+            f"{live_server.base_url}/dashboard/data", headers={"authorization": f"Bearer {key}"}
+        ).json()
+        assert hidden["tenants"] == []
+    shown = httpx.get(
+        f"{live_server.base_url}/dashboard/data",
+        headers={"authorization": f"Bearer {METRICS_KEY}"},
+    ).json()
+    assert "team-a" in [t["name"] for t in shown["tenants"]] and not shown["tenants_hidden"]

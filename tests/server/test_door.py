@@ -107,7 +107,7 @@ def test_refused_requests_count_against_the_request_rate(server: LiveServer) -> 
     resp = _post(server, "/v1/completions", "sk-limited", {"prompt": "hi", "max_tokens": 1})
     assert resp.status_code == 429
     assert resp.json()["error"]["code"] == "rate_limit_exceeded"
-    refused = scrape_metrics(server)
+    refused = scrape_metrics(server, "sk-admin")
     assert metric(refused, "kvgate:tenant_refusals_total") >= 4
 
 

@@ -16,7 +16,7 @@ from kvgate.errors import InvalidConfig
 from kvgate.server.config import ServerConfig
 from kvgate.server.limits import RequestLimits
 from tests.conftest import tiny_engine_config
-from tests.server.conftest import API_KEY, MODEL, LiveServer, start_server
+from tests.server.conftest import API_KEY, METRICS_KEY, MODEL, LiveServer, start_server
 
 LIMITS = RequestLimits(
     max_body_bytes=64 * 1024, header_timeout=1.0, body_timeout=1.0, max_connections=16
@@ -150,3 +150,31 @@ def test_limits_must_be_positive() -> None:
         RequestLimits(max_body_bytes=0)
     with pytest.raises(InvalidConfig, match="header_timeout"):
         RequestLimits(header_timeout=0)
+
+
+def test_metrics_show_tenants_only_to_a_metrics_or_admin_key(live_server: LiveServer) -> None:
+    httpx.post(
+        f"{live_server.api_url}/completions",
+        json={"prompt": "so team-a has series", "max_tokens": 2},
+        headers={"authorization": f"Bearer {API_KEY}"},
+    )
+    public = httpx.get(f"{live_server.base_url}/metrics").text
+    assert "vllm:num_requests_running" in public  # the aggregates stay open for scrapers
+    assert "kvgate:tenant_" not in public and "team-a" not in public
+    as_tenant = httpx.get(
+        f"{live_server.base_url}/metrics", headers={"authorization": f"Bearer {API_KEY}"}
+    ).text
+    assert "team-a" not in as_tenant
+    full = httpx.get(
+        f"{live_server.base_url}/metrics", headers={"authorization": f"Bearer {METRICS_KEY}"}
+    ).text
+    assert 'kvgate:tenant_prompt_tokens_total{tenant="team-a"}' in full
+
+
+def test_the_api_schema_needs_a_key(live_server: LiveServer) -> None:
+    assert httpx.get(f"{live_server.base_url}/openapi.json").status_code == 401
+    for key in (API_KEY, METRICS_KEY):
+        resp = httpx.get(
+            f"{live_server.base_url}/openapi.json", headers={"authorization": f"Bearer {key}"}
+        )
+        assert resp.status_code == 200 and "/v1/chat/completions" in resp.json()["paths"]

@@ -165,7 +165,7 @@ def test_admin_endpoints_and_accounting(server: LiveServer) -> None:
     assert report["capped"]["kv_ceiling_blocks"] == 8
     assert report["limited"]["refusals"].get("rate_limit_exceeded", 0) >= 1
     # Per-tenant counters add up to the engine's totals.
-    values = scrape_metrics(server)
+    values = scrape_metrics(server, "sk-admin")
     assert metric(values, "kvgate:tenant_prompt_tokens_total") == metric(
         values, "vllm:prompt_tokens_total"
     )
@@ -265,7 +265,7 @@ def test_critical_request_preempts_batch_work(one_slot: LiveServer) -> None:
     tokens, crit_done, bulk_done = asyncio.run(run())
     assert crit_done < bulk_done  # served while the batch request still had work to do
     assert tokens > 0
-    values = scrape_metrics(one_slot)
+    values = scrape_metrics(one_slot, "sk-admin")
     assert metric(values, "vllm:num_preemptions_total") >= 1
     wait_idle(one_slot)
 
