@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request
 from kvgate.engine.stats import StatsListener
-from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded
+from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded, RequestFailed
 from kvgate.sampling_params import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
@@ -73,9 +74,18 @@ class AsyncLLM:
     """``max_queue_len``: requests that may wait beyond the ``max_num_seqs`` running ones;
     past that ``generate`` raises ``Overloaded`` at once instead of queueing without bound."""
 
+    #: The supervisor: after an unexpected error in a step, every request in flight ends
+    #: with an error and the loop carries on; more than MAX_RECOVERIES of them within
+    #: RECOVERY_WINDOW_S seconds and the loop stops (``on_dead`` is called: the server exits
+    #: so that its own supervisor, e.g. Kubernetes, starts a fresh process).
+    MAX_RECOVERIES = 5
+    RECOVERY_WINDOW_S = 60.0
+
     def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self._recoveries: list[float] = []
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -207,12 +217,36 @@ class AsyncLLM:
                     return
                 if not self.engine.has_unfinished():
                     continue
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    self._recover(exc)
+                    continue
                 stalled = not outputs and self.engine.last_batch_size == 0
                 self._deliver_all(outputs)
         except BaseException as exc:  # a bug in the loop itself: fail every stream, loudly
             log.exception("engine loop died")
             self._fail_all(exc)
+            if self.on_dead is not None:
+                self.on_dead(exc)
+
+    def _recover(self, exc: Exception) -> None:
+        """An unexpected error in a step: end every request in flight with an error event,
+        and go on; raise it (the loop dies) when errors come too often to be transient."""
+        now = time.monotonic()
+        self._recoveries = [t for t in self._recoveries if now - t < self.RECOVERY_WINDOW_S]
+        self._recoveries.append(now)
+        if len(self._recoveries) > self.MAX_RECOVERIES:
+            raise exc
+        log.exception(
+            "engine step failed unexpectedly; ending every request in flight and carrying on "
+            "(%d in the last %.0f s)", len(self._recoveries), self.RECOVERY_WINDOW_S,
+        )  # fmt: skip
+        for request in self.engine.recover(exc):
+            self._deliver(
+                request.request_id,
+                RequestFailed(f"the engine failed and ended this request: {request.error}"),
+            )
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

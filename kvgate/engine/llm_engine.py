@@ -162,6 +162,8 @@ class LLMEngine:
         #: Called between two layers of every step (``AsyncLLM`` sets it: it takes in the
         #: requests that arrived meanwhile and may call ``step_urgent``). None: not called.
         self.between_layers: Callable[[], None] | None = None
+        #: Times ``recover`` ended every request after an unexpected error.
+        self.num_recoveries = 0
         self._in_step = False
         self._urgent_ran = False
 
@@ -266,6 +268,20 @@ class LLMEngine:
         """End requests at once; their blocks are free before this returns."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._aborted.append(self._final_output(request))
+
+    def recover(self, exc: BaseException) -> list[Request]:
+        """After an unexpected error in a step: end every request (their blocks freed, no
+        text made: whatever failed may fail again), forget every cached prefix (its KV may
+        be half written), and return the requests so their callers can be told."""
+        self.num_recoveries += 1
+        ids = list(self.scheduler.requests)
+        ended = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        for request in ended:
+            request.error = f"engine error: {type(exc).__name__}: {exc}"
+        self._outputs.clear()
+        self._aborted.clear()
+        self.kv_cache.pool.reset_prefix_cache()
+        return ended
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
@@ -416,16 +432,27 @@ class LLMEngine:
                 )
 
     def _delta(self, request: Request, state: _OutputState, *, finished: bool) -> RequestOutput:
+        try:
+            text = state.detokenizer.take_delta(finished=finished)
+        except Exception as exc:  # this request's text is lost, never the engine loop
+            log.exception("detokenizing request %s failed", request.request_id)
+            request.error = f"detokenizer failed: {type(exc).__name__}: {exc}"
+            text = ""
+            if not finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+                self._outputs.pop(request.request_id, None)
+                finished = True
         new_ids = tuple(request.output_token_ids[state.num_reported_tokens :])
         state.num_reported_tokens = request.num_output_tokens
         logprobs, state.pending_logprobs = tuple(state.pending_logprobs), []
+        reason = request.status.finish_reason if finished else None
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
-            text=state.detokenizer.take_delta(finished=finished),
+            text=text,
             logprobs=logprobs,
             finished=finished,
-            finish_reason=request.status.finish_reason if finished else None,
+            finish_reason="error" if finished and request.error else reason,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,

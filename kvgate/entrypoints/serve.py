@@ -174,10 +174,18 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 
     setup_logging(config)
     failed: list[BaseException] = []
+    dead: list[BaseException] = []
     server: uvicorn.Server | None = None
 
     def on_load_error(exc: BaseException) -> None:
         failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    def on_engine_dead(exc: BaseException) -> None:
+        # The supervisor gave up (errors too frequent to be transient): exit non-zero so the
+        # process supervisor (systemd, Kubernetes) starts a fresh one.
+        dead.append(exc)
         if server is not None:
             server.should_exit = True
 
@@ -190,6 +198,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         config,
         engine_loader(engine_config, config.max_queue_len),
         on_load_error=on_load_error,
+        on_engine_dead=on_engine_dead,
         tracer_provider=provider,
     )
     server = uvicorn.Server(
@@ -216,5 +225,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         server.run()
     if failed:
         print(f"kvgate: error: the model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    if dead:
+        print(f"kvgate: error: the engine failed repeatedly: {dead[0]}", file=sys.stderr)
         return 1
     return 0

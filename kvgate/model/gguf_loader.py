@@ -194,16 +194,20 @@ class _Cursor:
     def string(self) -> str:
         return str(self.take(self.u64()), "utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            # Real files nest arrays one level at most; a file nesting thousands would exhaust
+            # the stack (RecursionError) instead of being reported as corrupt.
+            if depth >= _MAX_ARRAY_DEPTH:
+                raise ValueError(f"metadata arrays nested deeper than {_MAX_ARRAY_DEPTH} levels")
             item_type, count = self.u32(), self.u64()
             if item_type in _NUMERIC:
                 dtype = np.dtype(_NUMERIC[GGUFValueType(item_type)])
                 items = np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
                 return [bool(v) for v in items] if item_type == GGUFValueType.BOOL else items
-            return [self.value(item_type) for _ in range(count)]
+            return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _NUMERIC:
             raise ValueError(f"unknown metadata value type {vtype}")
         dtype = np.dtype(_NUMERIC[GGUFValueType(vtype)])
@@ -211,6 +215,7 @@ class _Cursor:
         return bool(v) if vtype == GGUFValueType.BOOL else v
 
 
+_MAX_ARRAY_DEPTH = 8
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 

@@ -79,6 +79,7 @@ def _load(
     loader: EngineLoader,
     listeners: Sequence[StatsListener],
     on_load_error: Callable[[BaseException], None] | None,
+    on_engine_dead: Callable[[BaseException], None] | None = None,
 ) -> None:
     policy = TenantFairPolicy({}, TenantShare()) if state.config.scheduling == "fair" else None
     try:
@@ -89,6 +90,7 @@ def _load(
         if on_load_error is not None:
             on_load_error(exc)
         return
+    engine.on_dead = on_engine_dead
     pool = engine.engine.kv_pool
     state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
     door = Door(
@@ -175,11 +177,13 @@ def _governance(config: ServerConfig) -> Governance:
 
 def _reload_on_sighup(governance: Governance) -> None:
     """``kill -HUP`` re-reads the tenants file (main thread only: a server on another thread,
-    as in tests, reloads through the admin endpoint)."""
-    if governance.tenants_file is None:
-        return
+    as in tests, reloads through the admin endpoint). Without a tenants file it only logs:
+    SIGHUP's default action would end the process."""
 
     def reload() -> None:
+        if governance.tenants_file is None:
+            log.warning("SIGHUP: no tenants file to reload (start with --tenants FILE)")
+            return
         try:
             governance.reload()
         except KVGateError as exc:
@@ -194,6 +198,7 @@ def build_app(
     loader: EngineLoader,
     *,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_engine_dead: Callable[[BaseException], None] | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The app; ``tracer_provider`` turns on request traces (see ``server/tracing.py``)."""
@@ -210,7 +215,7 @@ def build_app(
         log.info("loading model %r ...", config.served_model_name)
         thread = threading.Thread(
             target=_load,
-            args=(state, loader, [listener, recent], on_load_error),
+            args=(state, loader, [listener, recent], on_load_error, on_engine_dead),
             name="kvgate-loader",
         )
         thread.start()
@@ -244,7 +249,8 @@ def build_app(
     @app.get("/health")
     def health() -> Response:
         if state.serving is not None and state.serving.engine.is_running:
-            return JSONResponse({"status": "ok"})
+            restarts = state.serving.engine.engine.num_recoveries
+            return JSONResponse({"status": "ok", "engine_restarts": restarts})
         status = "loading" if state.load_error is None and state.serving is None else "unhealthy"
         return JSONResponse({"status": status}, status_code=503)
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from kvgate.errors import KVGateError, PromptTooLong, RequestTooLarge
 from kvgate.governance.tenants import TenantSpec
+from kvgate.server.errors import AuthenticationFailed
 from kvgate.server.governance import Governance
 from kvgate.server.limits import RequestLimits
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -115,7 +116,12 @@ class Door:
     def enter(self, tenant: str, body: ChatCompletionRequest | CompletionRequest) -> None:
         """Charge the tenant's request rate, then check the body's sizes; raises the
         refusal, counted for the tenant."""
-        spec = self.governance.spec(tenant)
+        tenants = self.governance.tenants
+        if not tenants.open and tenant not in tenants.tenants:
+            # The key was valid when checked, and a reload removed its tenant since: the
+            # request must not run on default settings.
+            raise AuthenticationFailed(f"tenant {tenant!r} no longer exists: its key is revoked")
+        spec = tenants.spec(tenant)
         try:
             gate = self.governance.gate
             if gate is not None:

@@ -68,6 +68,12 @@ class EngineCollector(Collector):
         )
         info.add_metric([*labels, *engine.build_info.values()], 1)
         yield info
+        yield counter(
+            "kvgate:engine_restarts",
+            "Times the engine's supervisor ended every request in flight after an unexpected "
+            "error in a step and carried on.",
+            engine.num_recoveries,
+        )
         # len() of a list or deque is atomic under the GIL: safe to read from this thread.
         yield gauge(
             "vllm:num_requests_running", "Requests in the running batch.", len(sched.running)

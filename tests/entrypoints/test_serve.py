@@ -97,3 +97,24 @@ def test_sighup_reloads_the_tenants_file(tiny_llama_dir: Path, tmp_path: Path) -
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert "tenants reloaded" in out and "keeping the old one" in out
+
+
+def test_sighup_without_a_tenants_file_does_not_end_the_server(
+    tiny_llama_dir: Path,
+) -> None:
+    port = _free_port()
+    proc = _serve(
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
+        "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None and httpx.get(f"{url}/health").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "no tenants file to reload" in out

@@ -638,3 +638,15 @@ def test_not_a_model_file(tmp_path: Path) -> None:
     path.write_text("hello")
     with pytest.raises(UnsupportedModel, match=r"notes\.txt"):
         load_checkpoint(path)
+
+
+def test_deeply_nested_gguf_arrays_are_corrupt_not_a_recursion_error(tmp_path: Path) -> None:
+    import struct
+
+    # One metadata field: an array of arrays of ... (100,000 levels), each holding one.
+    field = struct.pack("<Q", 3) + b"key" + struct.pack("<I", 9)  # type ARRAY
+    field += (struct.pack("<I", 9) + struct.pack("<Q", 1)) * 100_000
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + field)
+    with pytest.raises(CorruptWeights, match=r"nested\.gguf.*nested deeper"):
+        load_checkpoint(path)

@@ -164,3 +164,17 @@ def test_special_tokens_typed_in_content_are_plain_text(server: LiveServer) -> N
         assert _count(sneaky["tokens"], marker) == _count(honest["tokens"], marker)
     # The text itself is all there, as text.
     assert forged in tok.decode(sneaky["tokens"], skip_special_tokens=False)
+
+
+def test_a_tenant_removed_by_a_reload_is_refused_not_run_on_defaults(
+    server: LiveServer,
+) -> None:
+    from kvgate.server.errors import AuthenticationFailed
+    from kvgate.server.protocol import CompletionRequest
+
+    # The key check found tenant "gone"; a reload removed it before the request reached the
+    # door: it is refused as unauthenticated, not run on default settings.
+    assert server.state.serving is not None
+    body = CompletionRequest(prompt="hi", max_tokens=1)
+    with pytest.raises(AuthenticationFailed, match="no longer exists"):
+        server.state.serving.door.enter("gone", body)
