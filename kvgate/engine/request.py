@@ -87,6 +87,8 @@ class Request:
         self.num_preemptions = 0
         #: Most KV blocks the request held at once (its memory footprint, for the profile).
         self.peak_kv_blocks = 0
+        #: KV blocks held times seconds, summed over the steps it held them (usage records).
+        self.kv_block_seconds = 0.0
         #: (time.monotonic(), tokens) of each prompt chunk scheduled, for traces.
         self.prefill_chunks: list[tuple[float, int]] = []
         #: The stop string or stop token id that ended the request, if any.

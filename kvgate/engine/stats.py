@@ -29,6 +29,8 @@ class RequestMetrics:
     e2e_seconds: float
     num_preemptions: int
     peak_kv_blocks: int = 0
+    #: KV blocks held times seconds over the request's life.
+    kv_block_seconds: float = 0.0
     #: The same timeline as instants (time.monotonic()); None for a phase never reached.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -50,6 +52,7 @@ class RequestMetrics:
             e2e_seconds=max(end - request.arrival_time, 0.0),
             num_preemptions=request.num_preemptions,
             peak_kv_blocks=request.peak_kv_blocks,
+            kv_block_seconds=request.kv_block_seconds,
             first_scheduled_time=scheduled,
             first_token_time=first_token,
             finished_time=end,

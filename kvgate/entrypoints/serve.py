@@ -59,6 +59,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="requests that may wait beyond --max-num-seqs before new ones get 503",
     )
     g.add_argument(
+        "--usage-db",
+        default=None,
+        help="the usage ledger's SQLite file (default: $KVGATE_USAGE_DB, else "
+        "~/.local/state/kvgate/usage.sqlite3); read it with GET /admin/usage",
+    )
+    g.add_argument(
         "--access-log", default="-", help="JSON-lines access log: a file, '-' stderr, '' off"
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -121,6 +127,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         scheduling=a.scheduling,
         max_queue_len=a.max_queue_len,
         access_log=a.access_log,
+        usage_db=a.usage_db,
         log_level=a.log_level,
         limits=RequestLimits(
             max_body_bytes=a.max_body_bytes,

@@ -1,5 +1,7 @@
 """Admin endpoints, for the admin keys of the tenants file only.
 
+GET /admin/usage?tenant=&since=&until=: the usage ledger's records (settled, and reconciled
+after a crash) admitted in [since, until) (Unix seconds), and their totals.
 GET /admin/tenants: per-tenant accounting (tokens, KV block-seconds, blocks held against
 quota, running / waiting, refusals by reason). POST /admin/reload: re-read the tenants file;
 an invalid file is refused with its error and the old one stays in force.
@@ -26,6 +28,17 @@ def install_admin_routes(app: FastAPI) -> None:
     def tenants(request: Request) -> dict[str, Any]:
         state = _require_admin(request)
         return {"tenants": state.governance.report(state.engine)}
+
+    @app.get("/admin/usage")
+    def usage(
+        request: Request,
+        tenant: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> dict[str, Any]:
+        state = _require_admin(request)
+        result: dict[str, Any] = state.usage.query(tenant, since, until)
+        return result
 
     @app.post("/admin/reload")
     def reload(request: Request) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -30,6 +31,8 @@ from kvgate.engine.policy import SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import EngineDead, InvalidRequest, KVGateError
 from kvgate.governance.tenants import TenantsConfig, parse_key
+from kvgate.governance.usage import UsageLedger
+from kvgate.governance.usage import default_path as usage_default_path
 from kvgate.server.access_log import AccessLogMiddleware, access_record
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
@@ -63,6 +66,7 @@ EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], Asyn
 class ServerState:
     config: ServerConfig
     governance: Governance
+    usage: UsageLedger
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     serving: ServingContext | None = None
@@ -97,7 +101,7 @@ def _load(
         state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
     )
     serving = ServingContext(
-        engine, state.config.served_model_name, state.governance, door, state.tracing
+        engine, state.config.served_model_name, state.governance, door, state.usage, state.tracing
     )
     # Everything alive now (modules, model, tokenizer) lives as long as the server: keep it
     # out of the garbage collector. A full collection walks every tracked object and holds
@@ -175,6 +179,13 @@ def _governance(config: ServerConfig) -> Governance:
     return Governance(TenantsConfig.open_config(), metrics_keys=metrics)
 
 
+def _usage_ledger(config: ServerConfig) -> UsageLedger:
+    path = config.usage_db or os.environ.get("KVGATE_USAGE_DB") or usage_default_path()
+    ledger = UsageLedger(path)
+    log.info("usage ledger: %s", ledger.path)
+    return ledger
+
+
 def _reload_on_sighup(governance: Governance) -> None:
     """``kill -HUP`` re-reads the tenants file (main thread only: a server on another thread,
     as in tests, reloads through the admin endpoint). Without a tenants file it only logs:
@@ -203,7 +214,7 @@ def build_app(
 ) -> FastAPI:
     """The app; ``tracer_provider`` turns on request traces (see ``server/tracing.py``)."""
     tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
-    state = ServerState(config, _governance(config), tracing)
+    state = ServerState(config, _governance(config), _usage_ledger(config), tracing)
     state.registry.register(EngineCollector(lambda: state.engine, config.served_model_name))
     state.registry.register(TenantCollector(lambda: state.engine, state.governance))
     ProcessCollector(registry=state.registry)
@@ -228,6 +239,7 @@ def build_app(
                 state.serving.engine.shutdown()
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes spans not yet exported
+            state.usage.close()  # after the engine: every request settled is written
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvgate = state

@@ -36,6 +36,9 @@ class ServerConfig:
     #: Keys (plain, or ``sha256:<hex>``) that may read per-tenant /metrics and /dashboard
     #: figures, besides the tenants file's ``metrics_keys`` and ``admin_keys``.
     metrics_keys: tuple[str, ...] = ()
+    #: The usage ledger's SQLite file (None: $KVGATE_USAGE_DB, else
+    #: ~/.local/state/kvgate/usage.sqlite3); see governance/usage.py.
+    usage_db: str | None = None
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 
+import kvgate
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
@@ -26,6 +27,7 @@ from kvgate.engine.request import Request
 from kvgate.engine.stats import RequestMetrics
 from kvgate.errors import InvalidRequest, KVGateError, PromptTooLong, QueueTimeout, RequestFailed
 from kvgate.governance.tenants import DEFAULT_TENANT
+from kvgate.governance.usage import Counts, UsageLedger
 from kvgate.sampling_params import SamplingParams
 from kvgate.server.access_log import AccessRecord, access_record
 from kvgate.server.door import Door
@@ -43,6 +45,7 @@ class ServingContext:
     served_model_name: str
     governance: Governance
     door: Door
+    usage: UsageLedger
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -54,6 +57,11 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @property
+    def model_version(self) -> str:
+        """What served the request, for usage records."""
+        return f"{self.served_model_name}@kvgate-{kvgate.__version__}"
 
     def check_model(self, model: str | None) -> None:
         """A body naming another model is a 404, as with OpenAI; no name means ours."""
@@ -173,6 +181,11 @@ def admit_choices(
         ctx.governance.count_refusal(tenant, exc.code)
         raise
     admission = ctx.governance.admit(tenant, requests, paid=True)  # charged at the door
+    n = body.n or 1
+    row = ctx.usage.admit(
+        record.request_id, tenant, ctx.served_model_name, ctx.model_version,
+        prompt_tokens=sum(r.num_prompt_tokens for r in requests[::n]),
+    )  # fmt: skip
     try:
         span = ctx.tracing.start(
             http.headers,
@@ -184,8 +197,10 @@ def admit_choices(
         )
     except BaseException:
         admission.release()
+        ctx.usage.settle(row, Counts(), "refused")  # never delivered: removed
         raise
-    return requests, Tracker(record, admission, requests, span, response_id, body.n or 1)
+    tracker = Tracker(record, admission, requests, span, response_id, n, ctx.usage, row)
+    return requests, tracker
 
 
 def _header_timeout(http: HttpRequest) -> float | None:
@@ -285,7 +300,13 @@ class Tracker:
         span: RequestSpan,
         response_id: str,
         n: int,
+        ledger: UsageLedger,
+        usage_row: str,
     ) -> None:
+        self.ledger = ledger
+        self.usage_row = usage_row
+        self.delivered = False  # the usage row knows tokens reached the client
+        self.settled = False
         self.record = record
         self.admission = admission
         self.span = span
@@ -295,7 +316,38 @@ class Tracker:
         self.results = [ChoiceResult() for _ in requests]
         self.error: str | None = None
 
+    def counts(self) -> Counts:
+        """Tokens so far, for the usage record (each prompt once, however many choices)."""
+        firsts = self.results[:: self.n]
+        metrics = [r.metrics for r in self.results if r.metrics is not None]
+        return Counts(
+            prompt_tokens=sum(r.num_prompt_tokens for r in firsts)
+            or self.record.prompt_tokens
+            or 0,
+            completion_tokens=sum(r.num_output_tokens for r in self.results),
+            cached_tokens=sum(r.num_cached_tokens for r in firsts),
+            kv_block_seconds=round(sum(m.kv_block_seconds for m in metrics), 6),
+        )
+
+    async def deliver(self) -> None:
+        """Tokens are about to reach the client: the usage row must say so first."""
+        if not self.delivered:
+            self.delivered = True
+            await asyncio.wrap_future(self.ledger.delivered(self.usage_row, self.counts()))
+
+    async def settle_whole(self) -> None:
+        """A whole response is about to be sent: its final usage record, committed first."""
+        self.settled = True
+        self.delivered = True
+        reason = ",".join(r.finish_reason or "" for r in self.results)
+        future = self.ledger.settle(self.usage_row, self.counts(), reason, delivered=True)
+        await asyncio.wrap_future(future)
+
     def close(self) -> None:
+        if not self.settled:  # a stream's end (or a failure): queued, not waited for
+            self.settled = True
+            reason = self.error or ",".join(r.finish_reason or "" for r in self.results)
+            self.ledger.settle(self.usage_row, self.counts(), reason)
         self.admission.release()
         firsts = self.results[:: self.n]
         self.span.finish(
@@ -318,6 +370,7 @@ class Tracker:
         result = self.results[i]
         result.text += out.text
         result.logprobs.extend(out.logprobs)
+        result.num_output_tokens += len(out.new_token_ids)
         if out.finished:
             self.admission.used[i] = out.num_prompt_tokens + out.num_output_tokens
             if out.metrics is not None and self.record.queue_s is None:
@@ -327,7 +380,7 @@ class Tracker:
             check_finish(out)
             result.finish_reason = out.finish_reason
             result.num_prompt_tokens = out.num_prompt_tokens
-            result.num_output_tokens = out.num_output_tokens
+            result.num_output_tokens = out.num_output_tokens  # the engine's count, final
             result.num_cached_tokens = out.num_cached_tokens
             result.metrics = out.metrics
 
@@ -410,7 +463,10 @@ async def stream_choices(
         async for i, out in run_merged(ctx.engine, requests):
             tracker.on_output(i, out)
             if out.text or (want_logprobs and out.logprobs):
+                await tracker.deliver()
                 yield event(render.delta(i, out))
+            elif out.new_token_ids:
+                tracker.ledger.progress(tracker.usage_row, tracker.counts())
             if out.finished:
                 yield event(render.finish(i, out))
     except KVGateError as exc:  # headers are sent: the error travels as an event
@@ -447,6 +503,7 @@ async def respond(
         return EventStream(events, on_close=tracker.close)
     try:
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
+        await tracker.settle_whole()
     finally:
         tracker.close()
     response = {

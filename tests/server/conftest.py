@@ -4,6 +4,7 @@ exactly reproducible), and the pieces tests need to talk to it."""
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -53,7 +54,8 @@ def _free_port() -> int:
 def start_server(engine_config: EngineConfig, config: ServerConfig) -> LiveServer:
     """Start uvicorn on a thread and wait until /health says the model is ready."""
     port = _free_port()
-    config = ServerConfig(**{**config.__dict__, "port": port})
+    usage_db = config.usage_db or str(Path(tempfile.mkdtemp(prefix="kvgate-usage-")) / "u.db")
+    config = ServerConfig(**{**config.__dict__, "port": port, "usage_db": usage_db})
     app = build_app(config, engine_loader(engine_config, config.max_queue_len))
     # The production server's settings (header timeout, connection limit).
     server = uvicorn.Server(

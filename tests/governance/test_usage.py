@@ -1,0 +1,77 @@
+"""The usage ledger: settled records, reconciliation after a crash, queries."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from kvgate.governance.usage import Counts, UsageLedger
+
+
+def _rows(path: Path) -> list[tuple[str, str, int, str]]:
+    with sqlite3.connect(path) as con:
+        return con.execute(
+            "SELECT request_id, status, completion_tokens, COALESCE(finish_reason, '') "
+            "FROM usage ORDER BY request_id"
+        ).fetchall()
+
+
+def test_a_settled_request_is_one_record_with_its_counts(tmp_path: Path) -> None:
+    ledger = UsageLedger(tmp_path / "u.db")
+    row = ledger.admit("r1", "alpha", "m", "m@1", prompt_tokens=10)
+    ledger.delivered(row, Counts(10, 1)).result(5)
+    ledger.progress(row, Counts(10, 5))
+    ledger.settle(row, Counts(10, 7, 4, 1.5), "stop").result(5)
+    out = ledger.query()
+    assert out["totals"] == {
+        "prompt_tokens": 10, "completion_tokens": 7, "cached_tokens": 4,
+        "kv_block_seconds": 1.5, "requests": 1,
+    }  # fmt: skip
+    (record,) = out["records"]
+    assert (record["request_id"], record["tenant"], record["status"]) == ("r1", "alpha", "settled")
+    assert record["finish_reason"] == "stop" and record["model_version"] == "m@1"
+    ledger.close()
+
+
+def test_a_request_that_never_delivered_leaves_no_record(tmp_path: Path) -> None:
+    ledger = UsageLedger(tmp_path / "u.db")
+    row = ledger.admit("r1", "alpha", "m", "m@1", prompt_tokens=10)
+    ledger.settle(row, Counts(10, 0), "error").result(5)
+    whole = ledger.admit("r2", "alpha", "m", "m@1", prompt_tokens=3)
+    ledger.settle(whole, Counts(3, 2), "length", delivered=True).result(5)
+    assert [r["request_id"] for r in ledger.query()["records"]] == ["r2"]
+    ledger.close()
+
+
+def test_reconcile_keeps_what_was_delivered_and_drops_the_rest(tmp_path: Path) -> None:
+    path = tmp_path / "u.db"
+    ledger = UsageLedger(path, flush_s=0.05)
+    delivered = ledger.admit("got-tokens", "a", "m", "m@1", prompt_tokens=5)
+    ledger.delivered(delivered, Counts(5, 1)).result(5)
+    ledger.progress(delivered, Counts(5, 9))
+    ledger.admit("queued", "a", "m", "m@1", prompt_tokens=5)
+    done = ledger.admit("done", "b", "m", "m@1", prompt_tokens=2)
+    ledger.settle(done, Counts(2, 3), "stop", delivered=True).result(5)
+    ledger.delivered(ledger.admit("flush", "a", "m", "m@1", 1), Counts(1, 1)).result(5)
+    # A crash: the process is gone without settling (the writer is left as it is).
+    again = UsageLedger(path)
+    assert (again.last_reconcile.reconciled, again.last_reconcile.dropped) == (2, 1)
+    assert _rows(path) == [
+        ("done", "settled", 3, "stop"),
+        ("flush", "reconciled", 1, "interrupted"),
+        ("got-tokens", "reconciled", 9, "interrupted"),  # its last counts
+    ]
+    assert UsageLedger(path).last_reconcile.reconciled == 0  # once only
+    again.close()
+
+
+def test_query_filters_by_tenant_and_time(tmp_path: Path) -> None:
+    ledger = UsageLedger(tmp_path / "u.db")
+    for rid, tenant in (("1", "a"), ("2", "b"), ("3", "a")):
+        row = ledger.admit(rid, tenant, "m", "m@1", prompt_tokens=1)
+        ledger.settle(row, Counts(1, 2), "stop", delivered=True).result(5)
+    assert ledger.query(tenant="a")["totals"]["requests"] == 2
+    records = ledger.query()["records"]
+    assert ledger.query(since=records[1]["admitted_at"])["totals"]["requests"] == 2
+    assert ledger.query(until=records[0]["admitted_at"])["totals"]["requests"] == 0
+    ledger.close()
