@@ -121,6 +121,13 @@ class AsyncLLM:
         with self._lock:
             return sum(1 for s in self._streams.values() if not s.abandoned)
 
+    @property
+    def capacity(self) -> int | None:
+        """Requests that may be in flight (running + queued); None: no limit."""
+        if self.max_queue_len is None:
+            return None
+        return self.engine.config.max_num_seqs + self.max_queue_len
+
     def check_capacity(self, num_new: int = 1, in_flight: int | None = None) -> None:
         """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue.
 

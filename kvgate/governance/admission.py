@@ -20,8 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvgate.errors import KVGateError, PromptTooLong, TenantLimitExceeded
+from kvgate.errors import KVGateError, Overloaded, PromptTooLong, TenantLimitExceeded
 from kvgate.governance.tenants import TenantSpec
+
+#: Of the server's request slots, the part a tenant past its fair share cannot take.
+RESERVE_FRACTION = 0.25
 
 
 class RateLimited(KVGateError):
@@ -146,6 +149,29 @@ class TenantGate:
         if ceiling is not None:
             caps.append(ceiling * self.block_size)
         return min(caps) - prompt_tokens if caps else None
+
+    def check_queue_share(
+        self, spec: TenantSpec, n: int, capacity: int, weight_of: Callable[[str], float]
+    ) -> None:
+        """Fair admission at the door: ``capacity`` requests may be in flight in the server
+        (running + queued), shared by the tenants holding some, in proportion to their
+        weights. A tenant past its share may still take a slot while ``RESERVE_FRACTION`` of
+        the capacity stays free, so idle capacity is used, yet a tenant that arrives always
+        finds room: a flood cannot starve the others of queue slots, whatever its
+        ``max_concurrent``. Raises ``Overloaded`` for a request over its tenant's share."""
+        reserve = math.ceil(capacity * RESERVE_FRACTION)
+        active = {t for t, s in list(self._state.items()) if s.in_flight > 0} | {spec.name}
+        total_weight = sum(weight_of(t) for t in active)
+        share = (capacity - reserve) * weight_of(spec.name) / total_weight
+        mine = self.in_flight(spec.name)
+        free_after = capacity - self.total_in_flight - n
+        if mine + n > share and free_after < reserve:
+            raise Overloaded(
+                f"tenant {spec.name!r} holds {mine} of the server's {capacity} request slots, "
+                f"its share is {share:.0f} while {len(active) - 1} other tenant(s) are served; "
+                "retry later",
+                retry_after=1,
+            )
 
     def charge_requests(self, spec: TenantSpec, n: int) -> None:
         """Take ``n`` requests from the tenant's requests-per-minute bucket, at the door,

@@ -168,9 +168,9 @@ def admit_choices(
     tenant = record.tenant or DEFAULT_TENANT
     try:
         gate = ctx.governance.gate
-        ctx.engine.check_capacity(
-            (body.n or 1) * len(prompts), gate.total_in_flight if gate is not None else None
-        )
+        choices = (body.n or 1) * len(prompts)
+        ctx.engine.check_capacity(choices, gate.total_in_flight if gate is not None else None)
+        ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity)
         timeout = body.timeout if body.timeout is not None else _header_timeout(http)
         context = ctx.governance.context(tenant, timeout)
         requests = build_choices(

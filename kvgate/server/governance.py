@@ -116,6 +116,15 @@ class Governance:
             raise
         return Admission(tickets)
 
+    def check_queue_share(self, tenant: str, n: int, capacity: int | None) -> None:
+        """See ``TenantGate.check_queue_share``; nothing to check without a queue limit."""
+        if self.gate is None or capacity is None:
+            return
+        tenants = self.tenants
+        self.gate.check_queue_share(
+            tenants.spec(tenant), n, capacity, lambda t: tenants.spec(t).weight
+        )
+
     def room_for(self, tenant: str, prompt_tokens: int) -> int | None:
         """See ``TenantGate.room_for``; None before the engine is ready or without limits."""
         return self.gate.room_for(self.spec(tenant), prompt_tokens) if self.gate else None

@@ -95,3 +95,50 @@ def test_choices_are_admitted_together_or_not_at_all() -> None:
     assert g.in_flight("a") == 1
     g.admit_all(spec, [(100, 900), (100, 900)])  # 2000 left: both fit now
     assert g.in_flight("a") == 3
+
+
+def test_a_flood_cannot_take_the_whole_queue_from_the_others() -> None:
+    from kvgate.errors import Overloaded
+
+    g = gate(Clock())
+    flood, quiet = TenantSpec("flood"), TenantSpec("quiet")
+    weights = {"flood": 1.0, "quiet": 1.0}.__getitem__
+    capacity = 8  # reserve 2: a tenant over its share leaves them free
+    held = []
+    for _ in range(6):  # alone, the flood may use all but the reserve
+        g.check_queue_share(flood, 1, capacity, weights)
+        held.append(g.admit(flood, 1, 1))
+    with pytest.raises(Overloaded, match="'flood' holds 6"):
+        g.check_queue_share(flood, 1, capacity, weights)
+    for _ in range(2):  # the quiet tenant finds room, under its share of 3
+        g.check_queue_share(quiet, 1, capacity, weights)
+        held.append(g.admit(quiet, 1, 1))
+    held.pop(0).release()  # a flood request ends: the slot is not the flood's to retake
+    with pytest.raises(Overloaded):
+        g.check_queue_share(flood, 1, capacity, weights)
+    g.check_queue_share(quiet, 1, capacity, weights)  # the quiet one may grow to its share
+
+
+def test_queue_shares_follow_weights() -> None:
+    from kvgate.errors import Overloaded
+
+    g = gate(Clock())
+    big, small = TenantSpec("big", weight=3), TenantSpec("small")
+    weights = {"big": 3.0, "small": 1.0}.__getitem__
+
+    def fill(spec: TenantSpec) -> int:
+        n = 0
+        while True:
+            try:
+                g.check_queue_share(spec, 1, 20, weights)
+            except Overloaded:
+                return n
+            g.admit(spec, 1, 1)
+            n += 1
+
+    g.admit(small, 1, 1)
+    # Capacity 20, reserve 5: big's share is 15 * 3/4 = 11.25, and past it big may still
+    # take slots while 5 stay free: 14 in all.
+    assert fill(big) == 14
+    # small's share is 15 * 1/4 = 3.75: it grows from 1 to 3, past the reserve line.
+    assert fill(small) == 2
