@@ -111,6 +111,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=d.max_connections,
         help="open connections past which requests get 503",
     )
+    lim.add_argument(
+        "--stalled-client-timeout",
+        type=float,
+        default=d.stalled_client_timeout,
+        help="seconds a stream may wait for its client to read before it is aborted",
+    )
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
@@ -139,6 +145,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
             max_connections=a.max_connections,
+            stalled_client_timeout=a.stalled_client_timeout,
         ),
     )
 

@@ -500,7 +500,8 @@ async def respond(
     profile headers) once every choice is done. The tracker is closed however it ends."""
     if stream:
         events = stream_choices(ctx, requests, tracker, render, head, include_usage=include_usage)
-        return EventStream(events, on_close=tracker.close)
+        stalled = ctx.door.limits.stalled_client_timeout
+        return EventStream(events, on_close=tracker.close, stalled_timeout=stalled)
     try:
         results = await unless_disconnected(http, collect_choices(ctx, requests, tracker))
         await tracker.settle_whole()

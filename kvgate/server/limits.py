@@ -27,9 +27,9 @@ from kvgate.errors import InvalidConfig
 
 @dataclass(frozen=True)
 class RequestLimits:
-    #: Largest request body in bytes (413 above it). 8 MiB holds a 128k-token prompt as text
-    #: several times over, and a long list of token ids.
-    max_body_bytes: int = 8 * 2**20
+    #: Largest request body in bytes (413 above it). 4 MiB holds a 128k-token prompt as text
+    #: several times over, or as token ids; a larger body costs the server its reading.
+    max_body_bytes: int = 4 * 2**20
     #: Longest prompt in characters, over all messages (400 above it, before tokenizing).
     #: None: the model's context times its longest token in characters, the most characters
     #: a prompt that fits the context can have.
@@ -47,6 +47,9 @@ class RequestLimits:
     body_timeout: float = 30.0
     #: Most open connections; requests on connections past it get 503.
     max_connections: int = 1024
+    #: Seconds a stream may wait for its client to read before it is aborted (its slot and
+    #: KV blocks freed); the output waiting meanwhile is bounded by this time.
+    stalled_client_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -57,7 +60,7 @@ class RequestLimits:
                 raise InvalidConfig(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise InvalidConfig("max_prompt_chars must be >= 1", param="max_prompt_chars")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "stalled_client_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidConfig(f"{name} must be > 0, got {getattr(self, name)}", param=name)
 
@@ -135,11 +138,14 @@ class GuardMiddleware:
                 await _send_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
                 return
         received = 0
+        body_done = False  # after the body, receive() only waits for a disconnect: no timeout
         refusal: _Refused | None = None  # set once the body broke a limit
         sent = False  # whether a response has started
 
         async def guarded_receive() -> Message:
-            nonlocal received, refusal
+            nonlocal received, refusal, body_done
+            if body_done:
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.limits.body_timeout)
             except TimeoutError:
@@ -147,6 +153,7 @@ class GuardMiddleware:
                 raise refusal from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     refusal = _Refused(413, self._too_large(f"more than {received}"))
                     raise refusal

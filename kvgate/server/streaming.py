@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 T = TypeVar("T")
 
@@ -31,8 +31,14 @@ class EventStream(StreamingResponse):
     """
 
     def __init__(
-        self, events: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None
+        self,
+        events: AsyncGenerator[str, None],
+        on_close: Callable[[], None] | None = None,
+        stalled_timeout: float | None = None,
     ) -> None:
+        """``stalled_timeout``: seconds a send may wait for the client to read (the socket's
+        buffers full) before the stream is given up: its engine requests are aborted and
+        their blocks freed, instead of a slot held for a client that stopped reading."""
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -40,16 +46,30 @@ class EventStream(StreamingResponse):
         )
         self._events = events
         self._on_close = on_close
+        self._stalled_timeout = stalled_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self._stalled_timeout
+
+        async def bounded_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except TimeoutError:
+                raise ClientStalled(f"the client read nothing for {timeout:g} s") from None
+
         try:
-            await super().__call__(scope, receive, send)
+            with contextlib.suppress(ClientStalled):
+                await super().__call__(scope, receive, bounded_send if timeout else send)
         finally:
             try:
                 await self._events.aclose()
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+
+class ClientStalled(Exception):
+    """The client stopped reading a stream for longer than the stalled-client timeout."""
 
 
 class ClientDisconnected(Exception):
