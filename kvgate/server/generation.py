@@ -142,13 +142,20 @@ def build_choices(
                     engine_id,
                     prompt,
                     params,
-                    cache_salt=context.cache_salt,
+                    cache_salt=_salt(context.cache_salt, body.cache_salt),
                     tenant=context.tenant,
                     deadline=context.deadline,
                     queue_deadline=context.queue_deadline,
                 )
             )
     return requests
+
+
+def _salt(tenant_salt: bytes | None, request_salt: str | None) -> bytes | None:
+    """The prefix-cache salt of a request: its tenant's (isolated tenants), and its own."""
+    if request_salt is None:
+        return tenant_salt
+    return (tenant_salt or b"") + b"\x00request:" + request_salt.encode()
 
 
 def admit_choices(

@@ -67,6 +67,10 @@ class _SamplingFields(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    #: Prefix-cache salt (vLLM's name): requests share cached prefixes only with requests of
+    #: the same salt (and tenant); on an open server, the way to keep one's prompts' cache
+    #: (and its timing) to oneself.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

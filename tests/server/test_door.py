@@ -178,3 +178,24 @@ def test_a_tenant_removed_by_a_reload_is_refused_not_run_on_defaults(
     body = CompletionRequest(prompt="hi", max_tokens=1)
     with pytest.raises(AuthenticationFailed, match="no longer exists"):
         server.state.serving.door.enter("gone", body)
+
+
+def test_a_cache_salt_keeps_a_callers_prefix_cache_to_itself(live_server: LiveServer) -> None:
+    """On a server whose callers share the cache (one tenant here), ``cache_salt`` isolates:
+    no hit, and so no timing, across salts; a hit within one."""
+    from tests.server.conftest import API_KEY
+
+    prompt = list(range(3000, 3064))  # 4 full blocks
+
+    def cached(salt: str | None) -> int:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        resp = _post(live_server, "/v1/completions", API_KEY, body)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("alice") == 0
+    assert cached("alice") == 48
+    assert cached("bob") == 0  # another salt: never alice's blocks
+    assert cached(None) == 0  # nor an unsalted request's
