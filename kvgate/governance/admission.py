@@ -159,7 +159,7 @@ class TenantGate:
         the capacity stays free, so idle capacity is used, yet a tenant that arrives always
         finds room: a flood cannot starve the others of queue slots, whatever its
         ``max_concurrent``. Raises ``Overloaded`` for a request over its tenant's share."""
-        reserve = math.ceil(capacity * RESERVE_FRACTION)
+        reserve = math.floor(capacity * RESERVE_FRACTION)  # none in a server of 1-3 slots
         active = {t for t, s in list(self._state.items()) if s.in_flight > 0} | {spec.name}
         total_weight = sum(weight_of(t) for t in active)
         share = (capacity - reserve) * weight_of(spec.name) / total_weight

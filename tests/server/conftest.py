@@ -76,6 +76,24 @@ def start_server(engine_config: EngineConfig, config: ServerConfig) -> LiveServe
     raise RuntimeError("server did not become healthy")
 
 
+def start_tenants_server(
+    model_dir: Path,
+    tenants: str,
+    directory: Path,
+    engine: dict[str, object] | None = None,
+    **server: object,
+) -> LiveServer:
+    """A live server on the tiny model with ``tenants`` (TOML text) as its tenants file,
+    written into ``directory``; ``engine`` and ``server`` override the configs' settings."""
+    path = directory / "tenants.toml"
+    path.write_text(tenants)
+    config = ServerConfig(served_model_name=MODEL, tenants_file=str(path))
+    return start_server(
+        tiny_engine_config(model_dir, **(engine or {})),
+        ServerConfig(**{**config.__dict__, **server}),
+    )
+
+
 @pytest.fixture(scope="session")
 def api_keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys.txt"

@@ -17,10 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.server.config import ServerConfig
 from kvgate.server.limits import RequestLimits
-from tests.conftest import tiny_engine_config
-from tests.server.conftest import LiveServer, start_server
+from tests.server.conftest import LiveServer, start_tenants_server
 
 TENANTS = """
 [tenants.victim]
@@ -36,12 +34,10 @@ LIMITS = RequestLimits(
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    path = tmp_path_factory.mktemp("abuse") / "tenants.toml"
-    path.write_text(TENANTS)
-    live = start_server(
-        tiny_engine_config(tiny_llama_dir, max_model_len=2048, kv_cache_memory="128MiB"),
-        ServerConfig(served_model_name="tiny", tenants_file=str(path), limits=LIMITS),
-    )
+    live = start_tenants_server(
+        tiny_llama_dir, TENANTS, tmp_path_factory.mktemp("abuse"),
+        engine={"max_model_len": 2048, "kv_cache_memory": "128MiB"}, limits=LIMITS,
+    )  # fmt: skip
     yield live
     live.stop()
 

@@ -13,10 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kvgate.server.config import ServerConfig
 from kvgate.server.limits import RequestLimits
-from tests.conftest import tiny_engine_config
-from tests.server.conftest import LiveServer, metric, scrape_metrics, start_server
+from tests.server.conftest import LiveServer, metric, scrape_metrics, start_tenants_server
 
 TENANTS = """
 admin_keys = ["sk-admin"]
@@ -39,12 +37,9 @@ LIMITS = RequestLimits(max_messages=8, max_stop=4, max_stop_chars=32, max_stop_t
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    path = tmp_path_factory.mktemp("door") / "tenants.toml"
-    path.write_text(TENANTS)
-    live = start_server(
-        tiny_engine_config(tiny_llama_dir),  # max_model_len 512
-        ServerConfig(served_model_name="tiny", tenants_file=str(path), limits=LIMITS),
-    )
+    # The tiny model's context: 512 tokens.
+    live = start_tenants_server(tiny_llama_dir, TENANTS, tmp_path_factory.mktemp("door"),
+                                limits=LIMITS)  # fmt: skip
     yield live
     live.stop()
 

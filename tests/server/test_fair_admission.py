@@ -8,9 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.server.config import ServerConfig
-from tests.conftest import tiny_engine_config
-from tests.server.conftest import start_server
+from tests.server.conftest import start_tenants_server
 
 TENANTS = """
 [tenants.flood]
@@ -24,11 +22,8 @@ keys = ["sk-quiet"]
 def test_a_flood_leaves_queue_slots_for_another_tenant(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(TENANTS)
-    live = start_server(
-        tiny_engine_config(tiny_llama_dir, max_num_seqs=2),
-        ServerConfig(served_model_name="tiny", tenants_file=str(tenants), max_queue_len=6),
+    live = start_tenants_server(
+        tiny_llama_dir, TENANTS, tmp_path, engine={"max_num_seqs": 2}, max_queue_len=6
     )  # 8 request slots, 2 kept free from a tenant past its share
     statuses: list[int] = []
     stop = threading.Event()

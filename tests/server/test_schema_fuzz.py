@@ -163,3 +163,24 @@ def test_tokenize_schema(http: TestClient, path: str, body: dict[str, Any]) -> N
 )
 def test_any_bytes_as_body(http: TestClient, path: str, raw: bytes) -> None:
     check(http.post(path, content=raw, headers={"Content-Type": "application/json"}))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(
+        ["/v1/models", "/health", "/metrics", "/dashboard/data", "/admin/usage",
+         "/admin/tenants", "/openapi.json"]
+    ),
+    params=st.dictionaries(
+        st.sampled_from(["tenant", "since", "until", "x"]), st.text(max_size=12), max_size=3
+    ),
+    key=st.sampled_from([None, "Bearer x", "Basic Zm9v", "Bearer " + "k" * 300]),
+)  # fmt: skip
+def test_every_get_endpoint(
+    http: TestClient, path: str, params: dict[str, str], key: str | None
+) -> None:
+    headers = {"authorization": key} if key is not None else {}
+    response = http.get(path, params=params, headers=headers)
+    assert response.status_code < 500, response.text

@@ -17,9 +17,7 @@ import httpx
 import openai
 import pytest
 
-from kvgate.server.config import ServerConfig
-from tests.conftest import tiny_engine_config
-from tests.server.conftest import LiveServer, _free_port, start_server
+from tests.server.conftest import LiveServer, _free_port, start_tenants_server
 
 TENANTS = """
 admin_keys = ["sk-admin"]
@@ -42,10 +40,7 @@ def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tenants_file: Path) -> Iterator[LiveServer]:
-    live = start_server(
-        tiny_engine_config(tiny_llama_dir),
-        ServerConfig(served_model_name="tiny", tenants_file=str(tenants_file)),
-    )
+    live = start_tenants_server(tiny_llama_dir, TENANTS, tenants_file.parent)
     yield live
     live.stop()
 
