@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvgate.errors import InvalidSamplingParams
+from kvgate.structured.spec import Grammar
 
 #: Most top logprobs a request may ask for (OpenAI caps top_logprobs at 20).
 MAX_LOGPROBS = 20
@@ -27,6 +28,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
     disable those filters. ``seed`` makes a request reproducible whatever else shares its batch.
     ``logprobs`` is ``None`` for none, ``0`` for the chosen token only, ``k`` for it plus the top k.
+    ``grammar``: each token is sampled among those the grammar allows next; the request
+    ends ("stop") when the grammar is complete and nothing may follow.
     ``final_only``: the engine reports the request once, when it ends (every token, the whole
     text and logprobs in that one output), not a delta after every step. A response that is
     not streamed needs nothing more, and a server then wakes its event loop once per request
@@ -49,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     final_only: bool = False
+    #: What the output must match (response_format, tools); None: unconstrained.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list for stop, as the OpenAI API does.

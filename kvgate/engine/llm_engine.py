@@ -39,6 +39,7 @@ from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.llama import LlamaModel
 from kvgate.model.precision import resolve_dtype, upcast_attention
 from kvgate.sampling_params import SamplingParams
+from kvgate.structured.compiler import GrammarCompiler
 from kvgate.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
@@ -149,11 +150,14 @@ class LLMEngine:
             self.kv_cache,
             policy,
         )
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        #: Compiles and caches constrained requests' grammars (the server checks them with
+        #: it before admitting a request; the runner makes each request's matcher from it).
+        self.grammars = GrammarCompiler(self.tokenizer, sorted(eos))
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, grammars=self.grammars)
         self._outputs: dict[str, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
         self.num_steps = 0
@@ -231,6 +235,8 @@ class LLMEngine:
             raise EmptyPrompt()
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)  # a 400 naming the field; cached once compiled
         return Request(
             request_id,
             token_ids,

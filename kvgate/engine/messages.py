@@ -75,3 +75,6 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Constrained requests whose grammar is complete with their new token (nothing may
+    #: follow): they end, finish reason "stop".
+    grammar_complete: frozenset[str] = field(default_factory=frozenset)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from kvgate.engine.messages import RunnerOutput, ScheduledSequence, SchedulerOutput
@@ -16,6 +17,8 @@ from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.config import ModelConfig
 from kvgate.model.llama import LlamaModel
 from kvgate.sampling_params import SamplingParams
+from kvgate.structured.compiler import GrammarCompiler
+from kvgate.structured.masks import MaskBuilder
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,6 +47,9 @@ class _RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    #: The grammar's state after every output token (constrained requests). It lives here,
+    #: not in the KV cache, so it survives preemption and recompute unchanged.
+    matcher: llguidance.LLMatcher | None = None
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,12 @@ class ModelRunner:
         kv_caches: KVCaches,
         block_size: int,
         sampler: Sampler | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """``grammars``: compiles constrained requests' grammars (None: none may come)."""
         self.model = model
+        self.grammars = grammars
+        self._masks: MaskBuilder | None = None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = model.device
@@ -80,11 +90,23 @@ class ModelRunner:
             gen = None
             if new.params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(new.params.seed)
-            self.states[new.request_id] = _RequestState(new.prompt_token_ids, new.params, gen)
+            state = _RequestState(new.prompt_token_ids, new.params, gen)
+            if new.params.grammar is not None:
+                if self.grammars is None:
+                    raise RuntimeError("a constrained request reached a runner without grammars")
+                state.matcher = self.grammars.matcher(new.params.grammar)
+            self.states[new.request_id] = state
         if out.is_empty:
             return RunnerOutput(sampled_token_ids={})
 
         batch = self.build_batch(out.sequences)
+        # Constrained rows' masks are computed on llguidance's threads during the forward.
+        guided = [
+            (row, matcher)
+            for row, rid in enumerate(batch.sample_ids)
+            if (matcher := self.states[rid].matcher) is not None
+        ]
+        masks = self._mask_builder().start([m for _, m in guided]) if guided else None
         hidden = self.model.forward(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
         )
@@ -92,17 +114,35 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         sampling = [self._sampling_state(rid) for rid in batch.sample_ids]
-        result = self.sampler(logits, sampling)
+        allowed = None
+        if masks is not None:
+            allowed = ([row for row, _ in guided], torch.from_numpy(masks.result()))
+        result = self.sampler(logits, sampling, allowed)
         sampled: dict[str, int] = {}
         logprobs = {}
+        complete: set[str] = set()
         for i, rid in enumerate(batch.sample_ids):
             token = result.token_ids[i]
             sampled[rid] = token
-            self.states[rid].output_token_ids.append(token)
+            state = self.states[rid]
+            state.output_token_ids.append(token)
+            if state.matcher is not None:
+                state.matcher.consume_token(token)
+                # Stopped: nothing may follow (or, never expected under the mask, an error).
+                if state.matcher.is_stopped() or state.matcher.is_error():
+                    complete.add(rid)
             lp = result.logprobs[i]
             if lp is not None:
                 logprobs[rid] = lp
-        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return RunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, grammar_complete=frozenset(complete)
+        )
+
+    def _mask_builder(self) -> MaskBuilder:
+        if self._masks is None:
+            assert self.grammars is not None
+            self._masks = MaskBuilder(self.grammars.vocab_size)
+        return self._masks
 
     def _sampling_state(self, request_id: str) -> SamplingState:
         s = self.states[request_id]

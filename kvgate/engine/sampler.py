@@ -26,6 +26,7 @@ import torch
 
 from kvgate.engine.messages import TokenLogprobs
 from kvgate.sampling_params import SamplingParams
+from kvgate.structured.masks import apply_masks
 
 #: Candidate widths tried, in order, before sorting the whole vocabulary. Fixed (not taken from
 #: the batch) so a seeded row's candidate set and random draws never depend on other rows.
@@ -63,8 +64,18 @@ class SamplerOutput:
 class Sampler:
     """Stateless: all per-request state comes in through :class:`SamplingState`."""
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        """Pick one token per row of ``logits`` ([num_seqs, vocab], any float dtype)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """Pick one token per row of ``logits`` ([num_seqs, vocab], any float dtype).
+
+        ``allowed``: (rows, bitmask [len(rows), ceil(vocab / 32)] int32): those rows sample
+        only among the tokens their mask allows (after penalties, before temperature and
+        filters). Other rows are untouched, so they sample exactly as in a batch without
+        constrained rows."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must be [num_seqs, vocab] with one state per row, got "
@@ -86,6 +97,11 @@ class Sampler:
             if x.data_ptr() == logits.data_ptr():
                 x = x.clone()
             _penalise_(x, pen_rows, states)
+
+        if allowed is not None:
+            if x.data_ptr() == logits.data_ptr():
+                x = x.clone()
+            apply_masks(x, *allowed)
 
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]

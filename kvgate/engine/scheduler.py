@@ -408,7 +408,10 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             touched.append(request)
-            status = request.check_stop(self.config.max_model_len)
+            if seq.request_id in runner_output.grammar_complete:
+                status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+            else:
+                status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.requests.pop(request.request_id)
                 self.running.remove(request)

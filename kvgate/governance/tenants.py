@@ -174,6 +174,9 @@ class TenantsConfig:
     source: str | None = None
     #: Keys that may read per-tenant figures (/metrics, /dashboard) but call nothing else.
     metrics_keys: frozenset[bytes] = frozenset()
+    #: Keys that name no tenant (``--api-keys-file`` lines with a key alone): each is its own
+    #: caller for the prefix cache, so two such keys never share cached blocks.
+    unnamed_keys: frozenset[bytes] = frozenset()
 
     @property
     def open(self) -> bool:
@@ -188,7 +191,8 @@ class TenantsConfig:
     def from_key_table(cls, table: Mapping[bytes, str]) -> TenantsConfig:
         """Keys -> tenant names with default settings (the plain ``--api-keys-file``)."""
         names = set(table.values())
-        return cls({n: TenantSpec(n) for n in names}, dict(table))
+        unnamed = frozenset(k for k, n in table.items() if n == DEFAULT_TENANT)
+        return cls({n: TenantSpec(n) for n in names}, dict(table), unnamed_keys=unnamed)
 
     def spec(self, tenant: str) -> TenantSpec:
         found = self.tenants.get(tenant)
@@ -206,6 +210,14 @@ class TenantsConfig:
             if hmac.compare_digest(known, digest):
                 found = tenant
         return found
+
+    def key_salt(self, authorization: str | None) -> bytes | None:
+        """A per-key prefix-cache salt for keys that name no tenant (None otherwise: a
+        tenant's keys share its cache, which its ``prefix_isolation`` keeps from others')."""
+        digest = _bearer_digest(authorization)
+        if digest is None or digest not in self.unnamed_keys:
+            return None
+        return b"key:" + digest
 
     def is_admin(self, authorization: str | None) -> bool:
         digest = _bearer_digest(authorization)

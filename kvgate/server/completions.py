@@ -13,6 +13,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
+from kvgate.server.constraints import completion_constraints
 from kvgate.server.door import off_loop
 from kvgate.server.generation import (
     ServingContext,
@@ -23,12 +24,18 @@ from kvgate.server.generation import (
 from kvgate.server.protocol import CompletionRequest
 from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import TEXT_COMPLETION
+from kvgate.structured.spec import Grammar
 
 #: OpenAI's default for the legacy completions API.
 DEFAULT_MAX_TOKENS = 16
 
 
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
+def _prompts(
+    ctx: ServingContext, body: CompletionRequest, grammar: Grammar | None
+) -> list[list[int]]:
+    """The prompts' ids (on a worker thread), and the grammar compiled (see chat.py)."""
+    if grammar is not None:
+        ctx.engine.engine.grammars.check(grammar)
     prompt = body.prompt
     if isinstance(prompt, str):
         return [ctx.tokenizer.encode(prompt)]
@@ -83,7 +90,8 @@ async def create_completion(
     record = access_record(http)
     record.model = ctx.served_model_name
     ctx.door.enter(record.tenant or DEFAULT_TENANT, body)
-    prompts = await off_loop(_prompts, ctx, body)
+    grammar = completion_constraints(body).grammar
+    prompts = await off_loop(_prompts, ctx, body, grammar)
     record.prompt_tokens = sum(len(p) for p in prompts)
     n = body.n or 1
     # Before admission: nothing that may fail stands between admitting and the response.
@@ -98,6 +106,7 @@ async def create_completion(
         logprobs=body.logprobs,
         operation=TEXT_COMPLETION,
         response_id=response_id,
+        grammar=grammar,
     )
     echoes = [prompt_texts[i // n] for i in range(len(requests))]
     head = {"id": response_id, "created": int(time.time()),

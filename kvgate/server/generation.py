@@ -36,6 +36,7 @@ from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.server.streaming import SSE_DONE, EventStream, sse, unless_disconnected
 from kvgate.server.tracing import NoTracing, RequestSpan, Tracing
+from kvgate.structured.spec import Grammar
 from kvgate.tokenizer import Tokenizer
 
 
@@ -76,6 +77,7 @@ def sampling_params(
     default_max_tokens: int,
     logprobs: int | None,
     seed: int | None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """SamplingParams from the body's fields; OpenAI's defaults where a field is absent."""
     return SamplingParams(
@@ -95,6 +97,7 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
         final_only=not body.stream,
+        grammar=grammar,
     )
 
 
@@ -107,6 +110,7 @@ def build_choices(
     max_tokens: int | None,
     logprobs: int | None,
     context: RequestContext,
+    grammar: Grammar | None = None,
 ) -> list[Request]:
     """One engine request per (prompt, choice), choice index = prompt_index * n + j.
 
@@ -135,6 +139,7 @@ def build_choices(
                 default_max_tokens=room,
                 logprobs=logprobs,
                 seed=None if body.seed is None else body.seed + j,
+                grammar=grammar,
             )
             engine_id = f"{request_id}-{p * n + j}-{next(ctx.ids)}"
             requests.append(
@@ -168,6 +173,7 @@ def admit_choices(
     logprobs: int | None,
     operation: str,
     response_id: str,
+    grammar: Grammar | None = None,
 ) -> tuple[list[Request], Tracker]:
     """Build the request's choices and admit them against the server's and the tenant's
     limits (every refusal is counted for the tenant under its code); start its trace."""
@@ -179,10 +185,10 @@ def admit_choices(
         ctx.engine.check_capacity(choices, gate.total_in_flight if gate is not None else None)
         ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity)
         timeout = body.timeout if body.timeout is not None else _header_timeout(http)
-        context = ctx.governance.context(tenant, timeout)
+        context = ctx.governance.context(tenant, timeout, http.headers.get("authorization"))
         requests = build_choices(
             ctx, record.request_id, prompts, body,
-            max_tokens=max_tokens, logprobs=logprobs, context=context,
+            max_tokens=max_tokens, logprobs=logprobs, context=context, grammar=grammar,
         )  # fmt: skip
     except KVGateError as exc:
         ctx.governance.count_refusal(tenant, exc.code)
@@ -440,7 +446,8 @@ class ChunkRenderer(Protocol):
 
     def opening(self, i: int) -> dict[str, Any] | None: ...
 
-    def delta(self, i: int, out: RequestOutput) -> dict[str, Any]: ...
+    def delta(self, i: int, out: RequestOutput) -> dict[str, Any] | None:
+        """None: nothing to send yet (text held back, e.g. while it may begin a tool call)."""
 
     def finish(self, i: int, out: RequestOutput) -> dict[str, Any]: ...
 
@@ -469,13 +476,17 @@ async def stream_choices(
     try:
         async for i, out in run_merged(ctx.engine, requests):
             tracker.on_output(i, out)
-            if out.text or (want_logprobs and out.logprobs):
+            chunk = render.delta(i, out) if out.text or (want_logprobs and out.logprobs) else None
+            if chunk is not None:
                 await tracker.deliver()
-                yield event(render.delta(i, out))
+                yield event(chunk)
             elif out.new_token_ids:
                 tracker.ledger.progress(tracker.usage_row, tracker.counts())
             if out.finished:
-                yield event(render.finish(i, out))
+                last = render.finish(i, out)
+                if last.get("delta"):  # text held back until now reaches the client
+                    await tracker.deliver()
+                yield event(last)
     except KVGateError as exc:  # headers are sent: the error travels as an event
         tracker.record.error_code = exc.code
         tracker.error = exc.code

@@ -93,13 +93,18 @@ class Governance:
     def spec(self, tenant: str) -> TenantSpec:
         return self.tenants.spec(tenant)
 
-    def context(self, tenant: str, timeout: float | None) -> RequestContext:
+    def context(
+        self, tenant: str, timeout: float | None, authorization: str | None = None
+    ) -> RequestContext:
+        """``authorization``: the caller's header, for the per-key salt of a key that names
+        no tenant (``TenantsConfig.key_salt``)."""
         spec = self.spec(tenant)
+        key_salt = self.tenants.key_salt(authorization)
         now = time.monotonic()
         limit = spec.deadline_seconds(timeout)
         return RequestContext(
             tenant=tenant,
-            cache_salt=spec.cache_salt,
+            cache_salt=key_salt if key_salt is not None else spec.cache_salt,
             deadline=None if limit is None else now + limit,
             queue_deadline=None if spec.max_queue_time is None else now + spec.max_queue_time,
         )

@@ -8,12 +8,14 @@ Responses are plain dicts built by the handlers: they are written once and never
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 #: Most choices one request may ask for (each is a sequence in the engine).
 MAX_N = 16
+#: Most tools one request may describe (each is in the prompt and the grammar).
+MAX_TOOLS = 128
 
 
 class _Body(BaseModel):
@@ -35,10 +37,65 @@ class OtherPart(_Body):
     type: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(_Body):
+    """A call an assistant turn made (``tool_calls`` of a message in the history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``text``, ``json_object`` and ``json_schema``; kvgate's ``regex`` (the whole
+    output matches it), ``choice`` (the output is one of the strings) and ``grammar`` (a
+    Lark grammar, as llguidance reads it)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionSpec(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingFields(_Body):
@@ -71,6 +128,8 @@ class _SamplingFields(_Body):
     #: the same salt (and tenant); on an open server, the way to keep one's prompts' cache
     #: (and its timing) to oneself.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    #: What the output must match (constrained decoding; ``kvgate/structured``).
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -79,6 +138,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):

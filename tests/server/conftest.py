@@ -94,10 +94,14 @@ def start_tenants_server(
     )
 
 
+LONE_KEYS = ("sk-lone-one", "sk-lone-two")
+
+
 @pytest.fixture(scope="session")
 def api_keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
-    path.write_text(f"# test keys\n{API_KEY} team-a\n")
+    # Two keys that name no tenant: separate callers of the default tenant.
+    path.write_text(f"# test keys\n{API_KEY} team-a\n{LONE_KEYS[0]}\n{LONE_KEYS[1]}\n")
     return path
 
 

@@ -194,3 +194,20 @@ def test_a_cache_salt_keeps_a_callers_prefix_cache_to_itself(live_server: LiveSe
     assert cached("alice") == 48
     assert cached("bob") == 0  # another salt: never alice's blocks
     assert cached(None) == 0  # nor an unsalted request's
+
+
+def test_keys_that_name_no_tenant_never_share_cached_prefixes(live_server: LiveServer) -> None:
+    """Two keys of the plain keys file with no tenant are both the default tenant, but each
+    keeps its own prefix cache: no ``cached_tokens`` (and no timing) across them."""
+    from tests.server.conftest import LONE_KEYS
+
+    prompt = list(range(3100, 3164))  # 4 full blocks
+
+    def cached(key: str) -> int:
+        resp = _post(live_server, "/v1/completions", key, {"prompt": prompt, "max_tokens": 1})
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(LONE_KEYS[0]) == 0
+    assert cached(LONE_KEYS[0]) == 48
+    assert cached(LONE_KEYS[1]) == 0

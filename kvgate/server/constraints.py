@@ -1,0 +1,92 @@
+"""A request body's constraints: the grammar its output must match, and whether (and how)
+its output is read back as tool calls. Shapes are checked here; whether a grammar compiles
+is checked by the engine's ``GrammarCompiler`` at the door, before admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.errors import InvalidRequest
+from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from kvgate.structured import spec
+from kvgate.structured.spec import Grammar
+from kvgate.structured.tools import Function, tool_grammar
+
+
+@dataclass(frozen=True)
+class Constraints:
+    grammar: Grammar | None = None
+    #: The tools the prompt describes (chat with ``tools``).
+    functions: tuple[Function, ...] = ()
+    #: The output may hold tool calls, to be read back into ``tool_calls``.
+    may_call: bool = False
+
+
+def response_grammar(fmt: ResponseFormat | None) -> Grammar | None:
+    """The grammar of ``response_format``; None for none or ``text``."""
+    if fmt is None or fmt.type == "text":
+        return None
+    param = "response_format"
+    if fmt.type == "json_object":
+        return spec.json_object_grammar(param)
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise InvalidRequest(
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        return spec.json_schema_grammar(
+            fmt.json_schema.json_schema, "response_format.json_schema.schema"
+        )
+    if fmt.type == "regex":
+        return spec.regex_grammar(fmt.regex, "response_format.regex")
+    if fmt.type == "choice":
+        return spec.choice_grammar(fmt.choice, "response_format.choice")
+    return spec.lark_grammar(fmt.grammar, "response_format.grammar")
+
+
+def completion_constraints(body: CompletionRequest) -> Constraints:
+    return Constraints(grammar=response_grammar(body.response_format))
+
+
+def chat_constraints(body: ChatCompletionRequest) -> Constraints:
+    functions = tuple(
+        Function(
+            t.function.name,
+            t.function.description,
+            t.function.parameters or {"type": "object", "properties": {}},
+        )
+        for t in body.tools or ()
+    )
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools must have distinct function names", param="tools")
+    choice = body.tool_choice
+    if choice is None:
+        choice_name = "auto" if functions else "none"
+    elif isinstance(choice, str):
+        choice_name = choice
+    else:
+        choice_name = choice.function.name
+        if choice_name not in names:
+            raise InvalidRequest(
+                f"tool_choice names function {choice_name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+    if choice_name != "none" and not functions:
+        raise InvalidRequest(f"tool_choice {choice_name!r} needs tools", param="tool_choice")
+    text_format = response_grammar(body.response_format)
+    if not functions:
+        return Constraints(grammar=text_format)
+    if choice_name == "none":
+        # The tools stay described (the history may refer to them); no call may be made.
+        grammar = text_format or tool_grammar(functions, "none", False)
+        return Constraints(grammar=grammar, functions=functions)
+    if text_format is not None:
+        raise InvalidRequest(
+            "response_format cannot be combined with tools unless tool_choice is 'none'",
+            param="response_format",
+        )
+    parallel = body.parallel_tool_calls is not False
+    grammar = tool_grammar(functions, choice_name, parallel)
+    return Constraints(grammar=grammar, functions=functions, may_call=True)

@@ -1,0 +1,57 @@
+"""Next-token masks of the constrained rows of a step, computed beside the forward pass.
+
+A mask is llguidance's bitmask: int32 words, bit ``t % 32`` of word ``t // 32`` set when token
+``t`` may come next. ``MaskBuilder.start`` computes the masks of every constrained row of the
+step on llguidance's own threads (it releases the GIL), so the forward pass runs meanwhile;
+``wait`` returns them as a tensor the sampler applies (``apply_masks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import numpy as np
+import torch
+
+
+class MaskBuilder:
+    def __init__(self, vocab_size: int, threads: int = 1) -> None:
+        self.words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor(num_threads=threads)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvgate-masks")
+
+    def start(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[np.ndarray]:
+        """Begin the masks of ``matchers`` (one row each, in order)."""
+        return self._thread.submit(self._compute, list(matchers))
+
+    def _compute(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        bitmask = np.empty((len(matchers), self.words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)],
+            bitmask.ctypes.data,
+            self.words * 4,
+            len(matchers),
+        )
+        return bitmask
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab] bool (tokens past the mask's width: False)."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    allowed = bits.bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
+    return torch.cat([allowed, pad.to(allowed.device)], dim=1)
+
+
+def apply_masks(x: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Set ``x[rows[j], t] = -inf`` for every token ``t`` that ``bitmask[j]`` forbids."""
+    index = torch.tensor(list(rows), dtype=torch.long, device=x.device)
+    allowed = unpack(bitmask.to(x.device), x.shape[1])
+    x[index] = x.index_select(0, index).masked_fill_(~allowed, float("-inf"))
