@@ -116,7 +116,7 @@ class ModelRunner:
         sampling = [self._sampling_state(rid) for rid in batch.sample_ids]
         allowed = None
         if masks is not None:
-            allowed = ([row for row, _ in guided], torch.from_numpy(masks.result()))
+            allowed = ([row for row, _ in guided], masks.result())
         result = self.sampler(logits, sampling, allowed)
         sampled: dict[str, int] = {}
         logprobs = {}

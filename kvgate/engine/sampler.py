@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvgate.engine.messages import TokenLogprobs
@@ -68,7 +69,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         states: Sequence[SamplingState],
-        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+        allowed: tuple[Sequence[int], np.ndarray] | None = None,
     ) -> SamplerOutput:
         """Pick one token per row of ``logits`` ([num_seqs, vocab], any float dtype).
 

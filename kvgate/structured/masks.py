@@ -37,21 +37,18 @@ class MaskBuilder:
         return bitmask
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+def unpack(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
     """[rows, words] int32 -> [rows, vocab] bool (tokens past the mask's width: False)."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    allowed = bits.bool().reshape(bitmask.shape[0], -1)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits).bool()
     if allowed.shape[1] >= vocab:
         return allowed[:, :vocab]
     pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
-    return torch.cat([allowed, pad.to(allowed.device)], dim=1)
+    return torch.cat([allowed, pad], dim=1)
 
 
-def apply_masks(x: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+def apply_masks(x: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray) -> None:
     """Set ``x[rows[j], t] = -inf`` for every token ``t`` that ``bitmask[j]`` forbids."""
     index = torch.tensor(list(rows), dtype=torch.long, device=x.device)
-    allowed = unpack(bitmask.to(x.device), x.shape[1])
+    allowed = unpack(bitmask, x.shape[1]).to(x.device)
     x[index] = x.index_select(0, index).masked_fill_(~allowed, float("-inf"))
