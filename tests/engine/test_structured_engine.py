@@ -15,6 +15,7 @@ import pytest
 
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.stats import IterationStats
 from kvgate.errors import InvalidRequest
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.spec import Grammar, choice_grammar, json_schema_grammar, regex_grammar
@@ -83,7 +84,12 @@ def test_unconstrained_greedy_rows_are_untouched_by_constrained_neighbours(
     grammar = json_schema_grammar(SCHEMAS["order"]["schema"], "response_format")
     mixed_jobs = free + [(PROMPT, params(grammar, seed=s)) for s in range(3)]
     batch_sizes: list[int] = []
-    engine.listeners.append(type("L", (), {"on_step": lambda _, s: batch_sizes.append(s.batch_size)})())
+
+    class Sizes:
+        def on_step(self, stats: IterationStats) -> None:
+            batch_sizes.append(stats.batch_size)
+
+    engine.listeners.append(Sizes())
     try:
         mixed = run(engine, mixed_jobs)
     finally:

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from kvgate.errors import InvalidRequest
+from kvgate.structured.compiler import GrammarCompiler
+from kvgate.structured.spec import json_schema_grammar, lark_grammar, regex_grammar
+from kvgate.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(smollm2_tokenizer, smollm2_tokenizer.eos_token_ids, cache_size=2)
+
+
+def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(
+    compiler: GrammarCompiler, smollm2_tokenizer: Tokenizer
+) -> None:
+    grammar = regex_grammar("ab+c", "r")
+    misses = compiler.misses
+    compiler.check(grammar)
+    first, second = compiler.matcher(grammar), compiler.matcher(grammar)
+    assert compiler.misses == misses + 1 and compiler.hits >= 2
+    assert first.consume_tokens(smollm2_tokenizer.encode("abbc", add_special_tokens=False))
+    assert first.is_accepting() and not second.is_accepting()  # independent states
+
+
+def test_the_cache_keeps_only_its_size(compiler: GrammarCompiler) -> None:
+    for pattern in ("x1", "x2", "x3"):
+        compiler.check(regex_grammar(pattern, "r"))
+    misses = compiler.misses
+    compiler.check(regex_grammar("x1", "r"))  # dropped: least recently used
+    assert compiler.misses == misses + 1
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        regex_grammar("(unclosed", "response_format.regex"),
+        lark_grammar("start: nowhere", "response_format.grammar"),
+        json_schema_grammar({"type": "strin"}, "response_format.json_schema.schema"),
+    ],
+)
+def test_what_does_not_compile_is_a_400_naming_the_field(
+    compiler: GrammarCompiler, grammar: object
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        compiler.check(grammar)  # type: ignore[arg-type]
+    assert info.value.param == grammar.param  # type: ignore[attr-defined]
+    assert "does not compile" in info.value.message

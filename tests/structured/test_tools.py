@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import itertools
+import json
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgate.structured.tools import (
+    Function,
+    ToolCallReader,
+    call_text,
+    render_history,
+    tool_grammar,
+)
+from kvgate.tokenizer import Tokenizer
+
+WEATHER = Function(
+    "get_weather", "Weather now",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)  # fmt: skip
+ADD = Function(
+    "add", None,
+    {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]},
+)  # fmt: skip
+CALLS = call_text("add", '{"a":1.5}') + "\n" + call_text("get_weather", '{"city":"P\\"a}ris"}')
+
+
+def _read(pieces: list[str], may_call: bool = True) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, calls, arguments rebuilt from the deltas) of ``pieces`` fed in turn."""
+    reader = ToolCallReader(may_call)
+    deltas = [d for p in pieces for d in reader.feed(p)] + reader.finish()
+    content = "".join(d.content for d in deltas)
+    rebuilt = "".join(d.arguments for d in deltas)
+    return content, [(c.name, c.arguments) for c in reader.calls], rebuilt
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, len(CALLS) - 1), max_size=12, unique=True))
+def test_calls_read_the_same_however_the_stream_is_cut(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(CALLS)]
+    pieces = [CALLS[a:b] for a, b in itertools.pairwise(bounds)]
+    content, calls, rebuilt = _read(pieces)
+    assert content == ""
+    assert calls == [("add", '{"a":1.5}'), ("get_weather", '{"city":"P\\"a}ris"}')]
+    assert rebuilt == '{"a":1.5}{"city":"P\\"a}ris"}'
+    for _, arguments in calls:
+        json.loads(arguments)
+
+
+def test_text_is_content_and_held_back_only_while_it_may_start_a_call() -> None:
+    reader = ToolCallReader(True)
+    assert reader.feed("<tool") == []  # could still be a call
+    out = reader.feed("box> is a tag")
+    assert "".join(d.content for d in out) == "<toolbox> is a tag"
+    assert _read(["Hello ", "there"]) == ("Hello there", [], "")
+    assert _read(["<tool_call> anything"], may_call=False)[0] == "<tool_call> anything"
+
+
+def test_history_is_written_as_the_model_reads_calls() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+    ]  # fmt: skip
+    out = render_history(messages, [WEATHER])
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in out[0]["content"]
+    assert out[2]["content"] == call_text("get_weather", '{"city":"Oslo"}')
+    assert out[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    assert all("tool_calls" not in m and "tool_call_id" not in m for m in out)
+
+
+@pytest.fixture(scope="module")
+def lltok(smollm2_tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(smollm2_tokenizer.backend.to_str(), eos_token=[2])
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "text", "ok"),
+    [
+        ("auto", True, "It is sunny.", True),
+        ("auto", True, CALLS, True),
+        ("auto", True, "  <tool_call> not json", False),
+        ("required", True, "It is sunny.", False),
+        ("required", True, CALLS, True),
+        ("required", False, CALLS, False),  # two calls
+        ("required", False, call_text("add", '{"a":2}'), True),
+        ("add", True, call_text("get_weather", '{"city":"x"}'), False),
+        ("add", True, call_text("add", '{"b":2}'), False),  # arguments must validate
+        ("none", True, CALLS, False),
+        ("none", True, "Plain text.", True),
+    ],
+)
+def test_the_grammar_allows_what_the_choice_allows(
+    lltok: llguidance.LLTokenizer, smollm2_tokenizer: Tokenizer,
+    choice: str, parallel: bool, text: str, ok: bool,
+) -> None:  # fmt: skip
+    matcher = llguidance.LLMatcher(lltok, tool_grammar([WEATHER, ADD], choice, parallel).text)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    accepted = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+    assert accepted == ok
