@@ -181,7 +181,10 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- chat template
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` (OpenAI-style ``{"role", "content"}`` dicts) into prompt text.
 
@@ -200,6 +203,7 @@ class Tokenizer:
             return template.render(
                 messages=normalized,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
@@ -209,7 +213,10 @@ class Tokenizer:
             ) from exc
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt: the template's text, in which only the template itself
         writes control tokens. A special token's text typed in a message's content
@@ -219,14 +226,14 @@ class Tokenizer:
         normalized = _normalize_messages(messages)
         specials = self._special_strings
         if not any(t in m["content"] for m in normalized for t in specials):
-            text = self.apply_chat_template(normalized, add_generation_prompt)
+            text = self.apply_chat_template(normalized, add_generation_prompt, tools)
             return self.encode(text, add_special_tokens=False)  # the template writes any BOS
         # Render with a placeholder per content (a fresh nonce: no content can spell one),
         # then encode the template's own text as usual and each content with special-token
         # matching off.
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(normalized)]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools)
         ids: list[int] = []
         for j, piece in enumerate(re.split(f"\ue000{nonce}:([0-9]+)\ue001", text)):
             if j % 2 == 0:
@@ -235,6 +242,12 @@ class Tokenizer:
                 content = normalized[int(piece)]["content"]
                 ids += self._plain_backend.encode(content, add_special_tokens=False).ids
         return ids
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` and calls itself (Qwen's, Hermes'
+        do); otherwise the server describes them in text (``structured/tools.py``)."""
+        return bool(self.chat_template) and "tools" in (self.chat_template or "")
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -403,3 +403,30 @@ def test_from_hf_dir_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CorruptWeights, match=r"tokenizer\.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls(
+    smollm2_tokenizer: Tokenizer,
+) -> None:
+    template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name + '\\n' }}{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}{{ c.function.arguments }}"
+        "{% endfor %}{{ '\\n' }}{% endfor %}"
+    )
+    tok = Tokenizer(smollm2_tokenizer.backend, chat_template=template)
+    assert tok.renders_tools and not smollm2_tokenizer.renders_tools
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "content": "-3 C", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+    assert text == (
+        'TOOL get_weather\nuser: Weather?\nassistant:  CALL get_weather{"city":"Oslo"}\n'
+        "tool: -3 C\n"
+    )
+    ids = tok.encode_chat(messages, add_generation_prompt=False, tools=tools)
+    assert tok.decode(ids, skip_special_tokens=False) == text

@@ -43,10 +43,13 @@ def _prompt_ids(
         message = m.model_dump(exclude_none=True)
         message.setdefault("content", "")  # an assistant turn may carry no content
         messages.append(message)
-    if constraints.functions or any("tool_calls" in m for m in messages):
-        messages = render_history(messages, constraints.functions)
     add_generation_prompt = body.add_generation_prompt is not False
-    return ctx.tokenizer.encode_chat(messages, add_generation_prompt)
+    tools = None
+    if ctx.tokenizer.renders_tools:  # the template writes tools, calls and results itself
+        tools = [f.as_json() for f in constraints.functions] or None
+    elif constraints.functions or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        messages = render_history(messages, constraints.functions)
+    return ctx.tokenizer.encode_chat(messages, add_generation_prompt, tools)
 
 
 def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
