@@ -78,3 +78,6 @@ class RunnerOutput:
     #: Constrained requests whose grammar is complete with their new token (nothing may
     #: follow): they end, finish reason "stop".
     grammar_complete: frozenset[str] = field(default_factory=frozenset)
+    #: Constrained requests whose grammar could not go on (a dead end, or a token it did not
+    #: allow): they end with an error, never claiming valid output. Id -> the reason.
+    grammar_failed: dict[str, str] = field(default_factory=dict)

@@ -121,6 +121,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         logprobs = {}
         complete: set[str] = set()
+        failed: dict[str, str] = {}
         for i, rid in enumerate(batch.sample_ids):
             token = result.token_ids[i]
             sampled[rid] = token
@@ -128,14 +129,18 @@ class ModelRunner:
             state.output_token_ids.append(token)
             if state.matcher is not None:
                 state.matcher.consume_token(token)
-                # Stopped: nothing may follow (or, never expected under the mask, an error).
-                if state.matcher.is_stopped() or state.matcher.is_error():
+                if state.matcher.is_error():  # never expected under the mask
+                    failed[rid] = state.matcher.get_error()
+                elif state.matcher.is_stopped():  # complete: nothing may follow
                     complete.add(rid)
             lp = result.logprobs[i]
             if lp is not None:
                 logprobs[rid] = lp
         return RunnerOutput(
-            sampled_token_ids=sampled, logprobs=logprobs, grammar_complete=frozenset(complete)
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            grammar_complete=frozenset(complete),
+            grammar_failed=failed,
         )
 
     def _mask_builder(self) -> MaskBuilder:

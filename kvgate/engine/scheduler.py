@@ -408,8 +408,12 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             touched.append(request)
-            if seq.request_id in runner_output.grammar_complete:
-                status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+            failed = runner_output.grammar_failed.get(seq.request_id)
+            if failed is not None:
+                request.error = f"constrained decoding failed: {failed}"
+                status: RequestStatus | None = RequestStatus.FINISHED_ERROR
+            elif seq.request_id in runner_output.grammar_complete:
+                status = RequestStatus.FINISHED_STOPPED
             else:
                 status = request.check_stop(self.config.max_model_len)
             if status is not None:

@@ -132,3 +132,21 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_its_field(
     assert info.value.param == "response_format.regex"
     assert "regex" in info.value.message
     assert not engine.has_unfinished()
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never expected (the mask allows only what the grammar allows), but if it happened the
+    request must end as an error, not as a valid-looking output."""
+    sampler = engine.runner.sampler
+    unmasked = type(sampler).__call__
+
+    def ignore_masks(self: Any, logits: Any, states: Any, allowed: Any = None) -> Any:
+        return unmasked(self, logits, states, None)
+
+    monkeypatch.setattr(type(sampler), "__call__", ignore_masks)
+    grammar = regex_grammar("[0-9]{40}", "r")  # random weights will soon write a non-digit
+    out = run(engine, [(PROMPT, params(grammar, temperature=1.0, seed=5))])["r0"]
+    assert out.finish_reason == "error"
+    assert out.error is not None and "constrained decoding failed" in out.error

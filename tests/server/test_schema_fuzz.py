@@ -68,10 +68,67 @@ SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": field(st.booleans()),
     "user": field(st.text(max_size=5)),
 }
+SCHEMA = st.recursive(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "strin"])},
+        optional={"minimum": st.integers(-5, 5), "maxLength": st.integers(-1, 5),
+                  "pattern": st.sampled_from(["^[a-z]+$", "[", "a{2,1}"]),
+                  "enum": st.lists(ANY_JSON, max_size=3)},
+    ),
+    lambda inner: st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=4), inner,
+                                                                   max_size=3)},
+        optional={"required": st.lists(st.text(max_size=4), max_size=2),
+                  "additionalProperties": st.booleans()},
+    ) | st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                              optional={"minItems": st.integers(-1, 3)}),
+    max_leaves=5,
+)  # fmt: skip
+RESPONSE_FORMAT = field(
+    st.fixed_dictionaries({"type": st.just("json_schema"),
+                           "json_schema": st.fixed_dictionaries(
+                               {"name": st.text(max_size=5)},
+                               optional={"schema": field(SCHEMA), "strict": st.booleans()})})
+    | st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "regex"]),
+                             "regex": st.text(max_size=8)})
+    | st.fixed_dictionaries({"type": st.just("choice"),
+                             "choice": st.lists(st.text(max_size=4), max_size=3)})
+    | st.fixed_dictionaries({"type": st.just("grammar"),
+                             "grammar": st.sampled_from(["start: \"a\"+", "start: x", "{"])
+                             | st.text(max_size=10)})
+)  # fmt: skip
+TOOL = st.fixed_dictionaries(
+    {"type": field(st.just("function")),
+     "function": st.fixed_dictionaries({"name": field(st.sampled_from(["f", "g", "bad name"]))},
+                                       optional={"parameters": field(SCHEMA),
+                                                 "description": st.text(max_size=5)})}
+)  # fmt: skip
+TOOL_CALL = st.fixed_dictionaries(
+    {"id": st.text(max_size=4),
+     "function": st.fixed_dictionaries({"name": st.text(max_size=3),
+                                        "arguments": st.text(max_size=10)})}
+)  # fmt: skip
+CHAT_MESSAGE = MESSAGE | st.fixed_dictionaries(
+    {"role": st.sampled_from(["assistant", "tool"])},
+    optional={"tool_calls": field(st.lists(TOOL_CALL, max_size=2)),
+              "tool_call_id": st.text(max_size=4), "content": st.none() | st.text(max_size=5)},
+)  # fmt: skip
 CHAT = st.fixed_dictionaries(
-    {"messages": field(st.lists(MESSAGE, max_size=3))},
+    {"messages": field(st.lists(CHAT_MESSAGE, max_size=3))},
     optional={
         **SAMPLING,
+        "response_format": RESPONSE_FORMAT,
+        "tools": field(st.lists(TOOL, max_size=2)),
+        "tool_choice": field(
+            st.sampled_from(["auto", "none", "required", "other"])
+            | st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])}),
+                }
+            )
+        ),
+        "parallel_tool_calls": field(st.booleans()),
         "max_completion_tokens": field(st.integers(-1, 6)),
         "logprobs": field(st.booleans()),
         "top_logprobs": field(st.integers(-1, 25)),
@@ -88,6 +145,7 @@ COMPLETION = st.fixed_dictionaries(
     },
     optional={
         **SAMPLING,
+        "response_format": RESPONSE_FORMAT,
         "logprobs": field(st.integers(-1, 25)),
         "echo": field(st.booleans()),
         "best_of": field(st.integers(0, 3)),
