@@ -32,7 +32,7 @@ __all__ = [
 class Checkpoint:
     """Everything needed to run a model.
 
-    ``weights``: CPU tensors under Hugging Face Llama names (see :func:`expected_weight_shapes`),
+    ``weights``: CPU tensors under Hugging Face names (see :func:`expected_weight_shapes`),
     Q/K rows in the HF ``rotate_half`` layout, in their stored dtype (float32 for dequantized GGUF
     tensors). ``lm_head.weight`` is present only when the embeddings are not tied.
     ``path``: the file or directory it was read from.
@@ -50,29 +50,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    # A generator, in layer order: check_weights stops at the first missing name, so a damaged
-    # file claiming billions of layers costs nothing.
-    h, hd = config.hidden_size, config.head_dim
-    q_dim, kv_dim = config.num_heads * hd, config.num_kv_heads * hd
-    yield "model.embed_tokens.weight", (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "self_attn.q_proj.weight", (q_dim, h)
-        yield p + "self_attn.k_proj.weight", (kv_dim, h)
-        yield p + "self_attn.v_proj.weight", (kv_dim, h)
-        yield p + "self_attn.o_proj.weight", (h, q_dim)
-        if config.attention_bias:
-            yield p + "self_attn.q_proj.bias", (q_dim,)
-            yield p + "self_attn.k_proj.bias", (kv_dim,)
-            yield p + "self_attn.v_proj.bias", (kv_dim,)
-        yield p + "mlp.gate_proj.weight", (config.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", (config.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", (h, config.intermediate_size)
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-    yield "model.norm.weight", (h,)
-    if not config.tie_word_embeddings:
-        yield "lm_head.weight", (config.vocab_size, h)
+    return config.arch.weights(config)
 
 
 _POSITIVE_INTS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.errors import UnsupportedModel
+from kvgate.model.architectures import Architecture, architecture
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class RopeScaling:
 class ModelConfig:
     """Shapes and constants of the forward pass. Built by a loader; holds no weights."""
 
-    architecture: str  # "llama", "qwen2", "mistral" — all run the same Llama forward
+    architecture: str  # a name in ``architectures.ARCHITECTURES``: "llama", "qwen2", "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,7 +39,6 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -50,6 +50,21 @@ class ModelConfig:
                 f"({self.num_kv_heads})",
                 path="<config>",
             )
+
+    @property
+    def arch(self) -> Architecture:
+        """What this architecture's layers hold and read (``architectures.py``)."""
+        return architecture(self.architecture)
+
+    @property
+    def attention_bias(self) -> bool:
+        """Biases on the q, k and v projections (Qwen2)."""
+        return self.arch.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """A per-head RMSNorm on q and k before RoPE (Qwen3)."""
+        return self.arch.qk_norm
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""

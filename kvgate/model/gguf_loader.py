@@ -1,7 +1,9 @@
-"""Load a llama.cpp GGUF file (llama / qwen2 architectures, byte-level BPE vocab) as a Checkpoint.
+"""Load a llama.cpp GGUF file (the architectures of ``architectures.py``, byte-level BPE vocab)
+as a Checkpoint.
 
-Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), renamed to Hugging Face Llama
-names, and attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout.
+Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), renamed to Hugging Face
+names, and attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout where
+llama.cpp permuted them (Llama).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
+from kvgate.model.architectures import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, from_gguf_name
 from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
 from kvgate.model.config import ModelConfig, RopeScaling
 from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
@@ -26,28 +29,6 @@ from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
 __all__ = ["is_gguf_file", "load_gguf", "load_gguf_tokenizer"]
 
 _MAGIC = b"GGUF"
-_SUPPORTED_ARCHS = ("llama", "qwen2")
-
-# GGUF tensor name -> HF name. _LAYER_NAMES are the suffixes of "blk.{i}." -> "model.layers.{i}.".
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -80,7 +61,8 @@ def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     for info in infos:
         name = _hf_name(info.name, file)
         t = _read_tensor(buf, data_start, info, file)
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        permuted = config.arch.gguf_permutes_qk
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             t = _unpermute(t, heads, file, info.name)
         weights[name] = t
@@ -126,11 +108,11 @@ def _unpermute(w: torch.Tensor, n_heads: int, file: str, name: str) -> torch.Ten
 
 
 def _hf_name(gguf_name: str, file: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
     if gguf_name == "rope_freqs.weight":
         raise UnsupportedModel(
             f"{file}: llama3-style RoPE scaling stored as 'rope_freqs.weight' is not supported",
@@ -380,11 +362,8 @@ class _Fields:
 
 
 def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) -> ModelConfig:
-    arch = fields.get("general.architecture")
-    if not isinstance(arch, str) or arch not in _SUPPORTED_ARCHS:
-        raise UnsupportedModel(
-            f"{file}: architecture {arch!r} is not supported (supported: llama, qwen2)", path=file
-        )
+    architecture = from_gguf_name(fields.get("general.architecture"), file)
+    arch = architecture.gguf_name  # the prefix of its metadata keys
     f = _Fields(fields, file)
     hidden = f.pos_int(f"{arch}.embedding_length")
     heads = f.pos_int(f"{arch}.attention.head_count")
@@ -403,7 +382,7 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
     eos_ids = [f.opt_int("tokenizer.ggml.eos_token_id"), f.opt_int("tokenizer.ggml.eot_token_id")]
     return make_config(
         file,
-        architecture=arch,
+        architecture=architecture.name,
         vocab_size=f.pos_int(f"{arch}.vocab_size", len(tokens) or None),
         hidden_size=hidden,
         intermediate_size=f.pos_int(f"{arch}.feed_forward_length"),
@@ -415,7 +394,6 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
         rope_theta=_f32(f.pos_float(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=f.pos_int(f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
         rope_scaling=_rope_scaling(f, arch),
         bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),

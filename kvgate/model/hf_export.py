@@ -20,8 +20,8 @@ from kvgate.model.checkpoint import Checkpoint
 def hf_config(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, Any]:
     c = checkpoint.config
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [c.arch.hf_class],
+        "model_type": c.arch.hf_model_types[0],
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -33,7 +33,7 @@ def hf_config(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, Any]:
         "rope_theta": c.rope_theta,
         "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias,
+        "attention_bias": False,  # Qwen2's biases are its own; elsewhere o_proj's too
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": c.bos_token_id,

@@ -1,6 +1,7 @@
 """Load a Hugging Face model directory (config.json + safetensors + tokenizer.json).
 
-Supports ``model_type`` llama, qwen2 and mistral, single-file or sharded safetensors
+Supports the ``model_type``s of ``architectures.py`` (llama, mistral, qwen2, qwen3),
+single-file or sharded safetensors
 (``model.safetensors.index.json``). Tensors keep their stored dtype (bf16 stays bf16).
 """
 
@@ -16,13 +17,13 @@ import torch
 
 from kvgate.errors import CorruptWeights, ModelNotFound, UnsupportedModel
 from kvgate.hf_files import int_list, read_json_object
+from kvgate.model.architectures import from_hf_model_type
 from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
 from kvgate.model.config import ModelConfig, RopeScaling
 from kvgate.tokenizer import Tokenizer
 
 __all__ = ["config_from_hf", "load_hf_dir"]
 
-_SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 _INDEX = "model.safetensors.index.json"
 # Buffers some older checkpoints saved alongside the weights; recomputed by the forward pass.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -81,12 +82,7 @@ def config_from_hf(
         CorruptWeights: a required key is missing or has the wrong type.
     """
     model_type = raw.get("model_type")
-    if model_type not in _SUPPORTED_TYPES:
-        raise UnsupportedModel(
-            f"{file}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(_SUPPORTED_TYPES)})",
-            path=file,
-        )
+    arch = from_hf_model_type(model_type, file)
 
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -95,17 +91,16 @@ def config_from_hf(
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModel(f"{file}: mlp_bias is not supported", path=file)
-    # Qwen2 always has q/k/v biases (and no o_proj bias). A Llama with attention_bias also biases
-    # o_proj, which this forward pass does not have.
-    attention_bias = model_type == "qwen2"
-    if model_type != "qwen2" and raw.get("attention_bias"):
+    # Qwen2's q/k/v biases are its architecture's (always there). Elsewhere attention_bias
+    # also biases o_proj, which this forward pass does not have.
+    if arch.name != "qwen2" and raw.get("attention_bias"):
         raise UnsupportedModel(f"{file}: attention_bias (o_proj bias) is not supported", path=file)
 
     # Sizes are validated by make_config; the two used in arithmetic here are checked first.
     hidden = _positive_int(raw, "hidden_size", file)
     heads = _positive_int(raw, "num_attention_heads", file)
     max_pos = raw.get("max_position_embeddings")
-    window = _sliding_window(raw, model_type)
+    window = _sliding_window(raw, arch.name)
     if window is not None and isinstance(max_pos, int) and window < max_pos:
         # Attention within a window as long as the whole context is full attention: capping the
         # context keeps the plain (full-attention) forward pass exact.
@@ -121,7 +116,7 @@ def config_from_hf(
         bos = tokenizer.bos_token_id
     return make_config(
         file,
-        architecture=model_type,
+        architecture=arch.name,
         vocab_size=raw.get("vocab_size"),
         hidden_size=hidden,
         intermediate_size=raw.get("intermediate_size"),
@@ -133,7 +128,6 @@ def config_from_hf(
         rope_theta=rope_theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=raw.get("tie_word_embeddings", False) is True,
-        attention_bias=attention_bias,
         rope_scaling=rope_scaling,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -151,7 +145,7 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         return None
     return window
 

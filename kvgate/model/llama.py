@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) reading and writing KV through blocks.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3: ``architectures.py``) reading
+and writing KV through blocks.
 
 Plain tensors and functions rather than nn.Modules: the forward is short enough to read in one
 go, and there is no training. Shapes: T = tokens in the flat batch, H = hidden size,
@@ -31,6 +32,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # H -> 2 I: gate and up fused
     down: Linear  # I -> H
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of q, before RoPE
+    k_norm: torch.Tensor | None = None  # [D]: the same for k
 
 
 class LlamaModel:
@@ -86,7 +89,7 @@ class LlamaModel:
         return FusedCpuLayerOps(lib, self.rope, heads, torch_ops)
 
     def _native_decode(self, level: str) -> NativeDecode | None:
-        if self.dtype != torch.bfloat16:
+        if self.dtype != torch.bfloat16 or self.config.qk_norm:  # no q/k norm in the C layer
             return None
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         layers = [
@@ -128,7 +131,7 @@ class LlamaModel:
         k = self._raw(weights, p + "self_attn.k_proj.weight", (self.kv_size, h))
         v = self._raw(weights, p + "self_attn.v_proj.weight", (self.kv_size, h))
         bias = None
-        if c.attention_bias or (p + "self_attn.q_proj.bias") in weights:
+        if c.attention_bias:
             bias = torch.cat(
                 [
                     self._raw(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
@@ -147,6 +150,12 @@ class LlamaModel:
             post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
             gate_up=self.linear(torch.cat([gate, up]), None),
             down=self.linear(down, None),
+            q_norm=self._take(weights, p + "self_attn.q_norm.weight", (c.head_dim,))
+            if c.qk_norm
+            else None,
+            k_norm=self._take(weights, p + "self_attn.k_norm.weight", (c.head_dim,))
+            if c.qk_norm
+            else None,
         )
 
     def build_info(self, isa: str) -> dict[str, str]:
@@ -211,7 +220,10 @@ class LlamaModel:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and between_layers is not None:
                 between_layers()
-            q, k, v = ops.rope_write_kv(layer.qkv(h), positions, k_cache, v_cache, meta)
+            qkv = layer.qkv(h)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                self._norm_heads(qkv, layer.q_norm, layer.k_norm)
+            q, k, v = ops.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
             attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
             h = ops.add_norm(layer.o(attn.reshape(-1, self.q_size)), residual, layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
@@ -221,6 +233,17 @@ class LlamaModel:
             )
             h = ops.add_norm(mlp, residual, next_norm, eps)
         return h
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
+        """Qwen3: RMSNorm over each q and k head (in float32, as HF computes it), in place in
+        the fused projection's output ``qkv`` [T, (Hq + 2 Hkv) D]."""
+        d, eps = self.config.head_dim, self.config.rms_norm_eps
+        for part, weight in ((slice(0, self.q_size), q_norm),
+                             (slice(self.q_size, self.q_size + self.kv_size), k_norm)):  # fmt: skip
+            heads = qkv[:, part].reshape(qkv.shape[0], -1, d)  # [T, heads, D]
+            x = heads.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            qkv[:, part] = (weight * x.to(qkv.dtype)).flatten(1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

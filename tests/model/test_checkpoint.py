@@ -247,7 +247,7 @@ def test_hf_mistral_caps_context_at_sliding_window(
     state = _save_tiny(tmp_path, smollm2_tokenizer, kind="mistral", sliding_window=512)
     ckpt = load_checkpoint(tmp_path)
     _assert_same_weights(ckpt, state)
-    assert ckpt.config.architecture == "mistral"
+    assert ckpt.config.architecture == "llama"  # Mistral runs as Llama
     assert ckpt.config.max_position_embeddings == 512
 
 
@@ -323,6 +323,8 @@ _GGUF_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -402,9 +404,12 @@ def _tiny_state(kind: str = "llama", tie: bool = False) -> dict[str, torch.Tenso
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     torch.manual_seed(1)
-    config = config_cls(**{**TINY, "vocab_size": len(_TOKENS), "tie_word_embeddings": tie})
+    config = config_cls(
+        **{**TINY, "vocab_size": len(_TOKENS), "tie_word_embeddings": tie, "head_dim": 16}
+    )
     state = dict(model_cls(config).state_dict())
     if tie:
         state.pop("lm_head.weight")
@@ -437,6 +442,23 @@ def test_synthetic_gguf_qwen2_biases_and_f16(tmp_path: Path) -> None:
         # Matrices were written as F16 and stay F16; norms and biases are F32.
         want = expected.half() if expected.ndim == 2 else expected
         assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_synthetic_gguf_qwen3_q_k_norms(tmp_path: Path) -> None:
+    state = _tiny_state("qwen3")
+    path = tmp_path / "qwen3.gguf"
+    _write_gguf(path, state, arch="qwen3")
+    ckpt = load_checkpoint(path)
+    assert ckpt.config.architecture == "qwen3" and ckpt.config.qk_norm
+    assert not ckpt.config.attention_bias
+    _assert_same_weights(ckpt, state)  # not permuted: llama.cpp permutes only Llama's Q/K
+
+
+def test_a_gguf_of_an_unknown_architecture_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, _tiny_state(), arch="mamba")
+    with pytest.raises(UnsupportedModel, match=r"'mamba' is not supported.*qwen3"):
+        load_checkpoint(path)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "F32"])

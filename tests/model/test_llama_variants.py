@@ -1,5 +1,6 @@
 """The forward pass matches HF transformers on the Llama-family variants the loader accepts:
-Llama-3 and linear RoPE scaling, an untied LM head, and Qwen2's q/k/v biases."""
+Llama-3 and linear RoPE scaling, an untied LM head, Qwen2's q/k/v biases and Qwen3's q/k
+norms."""
 
 from __future__ import annotations
 
@@ -30,16 +31,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     "untied-head": {"tie_word_embeddings": False},
     "qwen2-bias": {"model_type": "qwen2"},
+    "qwen3-qk-norm": {"model_type": "qwen3"},
 }
 
 
 def _build(directory: Path, tokenizer: Tokenizer, variant: str) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(3)
     overrides = dict(VARIANTS[variant])
-    if overrides.pop("model_type", None) == "qwen2":
-        model: Any = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
+    model_type = overrides.pop("model_type", None)
+    if model_type == "qwen3":
+        model: Any = Qwen3ForCausalLM(Qwen3Config(**TINY_LLAMA, head_dim=16))
+        # HF initialises norms to one; make q_norm and k_norm matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
         # HF initialises biases to zero; make them matter.
         with torch.no_grad():
             for layer in model.model.layers:
@@ -70,3 +87,22 @@ def test_greedy_matches_transformers(
     llm = LLM(str(directory), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=128)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [list(o.token_ids) for o in outs] == expected
+
+
+def test_qwen3_in_bfloat16_runs_the_fused_ops_and_agrees(
+    tmp_path: Path, smollm2_tokenizer: Tokenizer
+) -> None:
+    """bf16: q/k norms between the fused projection and the fused RoPE + KV write (the
+    whole-layer native decode has no q/k norm, so it stands aside)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = _build(tmp_path / "qwen3", smollm2_tokenizer, "qwen3-qk-norm")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (5, 40, 120, 300)]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = hf_greedy(hf, prompts, max_new_tokens=4)
+    llm = LLM(str(directory), dtype="bfloat16", kv_cache_memory="64MiB")
+    assert llm.engine.model.native_decode is None
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    first_agree = sum(o.token_ids[0] == e[0] for o, e in zip(outs, expected, strict=True))
+    assert first_agree >= 3, (outs, expected)
