@@ -245,9 +245,12 @@ class Tokenizer:
 
     @property
     def renders_tools(self) -> bool:
-        """Whether the chat template renders ``tools`` and calls itself (Qwen's, Hermes'
-        do); otherwise the server describes them in text (``structured/tools.py``)."""
-        return bool(self.chat_template) and "tools" in (self.chat_template or "")
+        """Whether the chat template renders ``tools`` and calls itself in the call format the
+        server constrains and reads (``<tool_call>``: Qwen's, Hermes'); otherwise the server
+        describes them in text (``structured/tools.py``). A template of another call format
+        (Llama 3.1's, Mistral's) would teach the model a format the grammar forbids."""
+        template = self.chat_template or ""
+        return "tools" in template and "<tool_call>" in template
 
     @functools.cached_property
     def max_token_chars(self) -> int:

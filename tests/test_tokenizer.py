@@ -409,6 +409,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls(
     smollm2_tokenizer: Tokenizer,
 ) -> None:
     template = (
+        "{# calls are written <tool_call> #}"
         "{% for t in tools or [] %}TOOL {{ t.function.name + '\\n' }}{% endfor %}"
         "{% for m in messages %}{{ m.role }}: {{ m.content }}"
         "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}{{ c.function.arguments }}"

@@ -235,9 +235,10 @@ class LLMEngine:
             raise EmptyPrompt()
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
-        if params.grammar is not None:
-            self.grammars.check(params.grammar)  # a 400 naming the field; cached once compiled
-        return Request(
+        # A 400 naming the field if it does not compile; cached once compiled (the server
+        # compiled it at its door), so the engine thread never compiles.
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        request = Request(
             request_id,
             token_ids,
             params,
@@ -247,6 +248,8 @@ class LLMEngine:
             deadline=deadline,
             queue_deadline=queue_deadline,
         )
+        request.matcher = matcher
+        return request
 
     def add(self, request: Request) -> None:
         """Queue a request built by ``make_request``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgate.sampling_params import SamplingParams
 
@@ -14,6 +15,9 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    #: The request's grammar matcher (constrained requests), built off the engine thread
+    #: when the request was made: the runner takes it over (never compiles in a step).
+    matcher: Any = None
 
 
 @dataclass(frozen=True)

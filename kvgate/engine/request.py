@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvgate.sampling_params import SamplingParams
 
@@ -76,6 +77,9 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        #: The grammar's matcher (constrained requests), compiled when the request was made;
+        #: handed to the runner with the request's first schedule, which then owns it.
+        self.matcher: Any = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -91,7 +91,9 @@ class ModelRunner:
             if new.params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(new.params.seed)
             state = _RequestState(new.prompt_token_ids, new.params, gen)
-            if new.params.grammar is not None:
+            if new.matcher is not None:
+                state.matcher = new.matcher
+            elif new.params.grammar is not None:  # made without its matcher: build it here
                 if self.grammars is None:
                     raise RuntimeError("a constrained request reached a runner without grammars")
                 state.matcher = self.grammars.matcher(new.params.grammar)

@@ -366,7 +366,9 @@ class Scheduler:
         if request.request_id not in self._sent_to_runner:
             self._sent_to_runner.add(request.request_id)
             new_requests.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.params)
+                NewRequestData(
+                    request.request_id, request.prompt_token_ids, request.params, request.matcher
+                )
             )
 
     def _sequence(self, request: Request, num_new: int) -> ScheduledSequence:

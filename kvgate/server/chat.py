@@ -27,7 +27,7 @@ from kvgate.server.generation import (
 from kvgate.server.protocol import ChatCompletionRequest
 from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import CHAT
-from kvgate.structured.tools import Delta, ToolCallReader, render_history
+from kvgate.structured.tools import Delta, ToolCallReader, render_history, template_history
 
 
 def _prompt_ids(
@@ -47,6 +47,7 @@ def _prompt_ids(
     tools = None
     if ctx.tokenizer.renders_tools:  # the template writes tools, calls and results itself
         tools = [f.as_json() for f in constraints.functions] or None
+        messages = template_history(messages)
     elif constraints.functions or any("tool_calls" in m or m["role"] == "tool" for m in messages):
         messages = render_history(messages, constraints.functions)
     return ctx.tokenizer.encode_chat(messages, add_generation_prompt, tools)

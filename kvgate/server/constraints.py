@@ -62,23 +62,24 @@ def chat_constraints(body: ChatCompletionRequest) -> Constraints:
     if len(set(names)) != len(names):
         raise InvalidRequest("tools must have distinct function names", param="tools")
     choice = body.tool_choice
+    name: str | None = None
     if choice is None:
-        choice_name = "auto" if functions else "none"
+        mode = "auto" if functions else "none"
     elif isinstance(choice, str):
-        choice_name = choice
+        mode = choice
     else:
-        choice_name = choice.function.name
-        if choice_name not in names:
+        mode, name = "named", choice.function.name
+        if name not in names:
             raise InvalidRequest(
-                f"tool_choice names function {choice_name!r}, which is not among the tools",
+                f"tool_choice names function {name!r}, which is not among the tools",
                 param="tool_choice",
             )
-    if choice_name != "none" and not functions:
-        raise InvalidRequest(f"tool_choice {choice_name!r} needs tools", param="tool_choice")
+    if mode != "none" and not functions:
+        raise InvalidRequest(f"tool_choice {mode!r} needs tools", param="tool_choice")
     text_format = response_grammar(body.response_format)
     if not functions:
         return Constraints(grammar=text_format)
-    if choice_name == "none":
+    if mode == "none":
         # The tools stay described (the history may refer to them); no call may be made.
         grammar = text_format or tool_grammar(functions, "none", False)
         return Constraints(grammar=grammar, functions=functions)
@@ -88,5 +89,5 @@ def chat_constraints(body: ChatCompletionRequest) -> Constraints:
             param="response_format",
         )
     parallel = body.parallel_tool_calls is not False
-    grammar = tool_grammar(functions, choice_name, parallel)
+    grammar = tool_grammar(functions, mode, parallel, name)
     return Constraints(grammar=grammar, functions=functions, may_call=True)

@@ -47,11 +47,17 @@ class GrammarCompiler:
         so engines that never constrain a request never pay for it."""
         with self._lock:
             if self._lltokenizer is None:
-                self._lltokenizer = llguidance.LLTokenizer(
-                    self.tokenizer.backend.to_str(),
-                    n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids or None,
-                )
+                try:
+                    self._lltokenizer = llguidance.LLTokenizer(
+                        self.tokenizer.backend.to_str(),
+                        n_vocab=self.vocab_size,
+                        eos_token=self.eos_token_ids or None,
+                    )
+                except Exception as exc:  # a vocabulary llguidance cannot read
+                    raise InvalidRequest(
+                        f"constrained output is not available for this model's tokenizer: {exc}",
+                        param="response_format",
+                    ) from exc
             return self._lltokenizer
 
     def _compiled(self, grammar: Grammar) -> llguidance.LLMatcher:

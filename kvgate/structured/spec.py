@@ -40,7 +40,7 @@ def json_schema_grammar(schema: Mapping[str, Any] | bool, param: str) -> Grammar
     if not isinstance(schema, (Mapping, bool)):
         raise InvalidRequest("the JSON schema must be an object", param=param)
     raw = json.dumps(schema)
-    _check_size(raw, param)
+    check_size(raw, param)
     raw = json.dumps(bounded_numbers(schema))
     try:
         # Compact JSON (no optional whitespace): fewer tokens, and no run of whitespace a
@@ -75,7 +75,7 @@ def bounded_numbers(schema: Any) -> Any:
     out = dict(schema)
     kind = out.get("type")
     is_number = kind == "number" or (isinstance(kind, list) and "number" in kind)
-    if is_number and "multipleOf" not in out:
+    if is_number and "multipleOf" not in out and _room_for_decimals(out):
         out["multipleOf"] = 10.0**-NUMBER_DECIMALS
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
@@ -89,6 +89,18 @@ def bounded_numbers(schema: Any) -> Any:
     return out
 
 
+def _room_for_decimals(schema: Mapping[str, Any]) -> bool:
+    """Whether cutting decimals keeps every value the schema allows reachable: not when it
+    lists its values (``enum``, ``const``) or a bound has finer decimals than we keep."""
+    if "enum" in schema or "const" in schema:
+        return False
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        bound = schema.get(key)
+        if isinstance(bound, (int, float)) and round(bound, NUMBER_DECIMALS) != bound:
+            return False
+    return True
+
+
 def json_object_grammar(param: str) -> Grammar:
     """Any JSON object (OpenAI's ``json_object``)."""
     return Grammar("json_object", json_schema_grammar({"type": "object"}, param).text, param)
@@ -97,7 +109,7 @@ def json_object_grammar(param: str) -> Grammar:
 def regex_grammar(pattern: object, param: str) -> Grammar:
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRequest("the regex must be a non-empty string", param=param)
-    _check_size(pattern, param)
+    check_size(pattern, param)
     return Grammar("regex", llguidance.LLMatcher.grammar_from_regex(pattern), param)
 
 
@@ -113,7 +125,7 @@ def choice_grammar(choices: object, param: str) -> Grammar:
     if len(choices) > MAX_CHOICES:
         raise InvalidRequest(f"choice allows at most {MAX_CHOICES} strings", param=param)
     lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
-    _check_size(lark, param)
+    check_size(lark, param)
     return Grammar("choice", llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
@@ -122,11 +134,11 @@ def lark_grammar(lark: object, param: str) -> Grammar:
     a JSON schema; regexes between slashes)."""
     if not isinstance(lark, str) or not lark.strip():
         raise InvalidRequest("the grammar must be a non-empty string", param=param)
-    _check_size(lark, param)
+    check_size(lark, param)
     return Grammar("grammar", llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
-def _check_size(text: str, param: str) -> None:
+def check_size(text: str, param: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(
             f"the grammar is {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are allowed",

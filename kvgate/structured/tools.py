@@ -26,7 +26,7 @@ from typing import Any
 
 import llguidance
 
-from kvgate.structured.spec import Grammar, bounded_numbers
+from kvgate.structured.spec import Grammar, bounded_numbers, check_size
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -54,14 +54,21 @@ class Function:
 
 
 def tool_grammar(
-    functions: Sequence[Function], choice: str, parallel: bool, param: str = "tools"
+    functions: Sequence[Function],
+    mode: str,
+    parallel: bool,
+    name: str | None = None,
+    param: str = "tools",
 ) -> Grammar:
-    """``choice``: "auto", "none", "required", or the name of the one function to call."""
-    text = r"TEXT: /(?s:.*)/ & ~/(?s:[ \t\r\n]*<tool_call>.*)/"
-    if choice == "none":
+    """``mode``: "auto" (text, or calls), "none" (text only), "required" (calls only) or
+    "named" (exactly one call, of the function ``name``)."""
+    # Text: anything that does not open a call. It may not begin with whitespace either:
+    # llguidance lexes greedily, so " <tool_call>" would be taken as text and then fail.
+    text = r"TEXT: /(?s:.*)/ & ~/(?s:[ \t\r\n].*)/ & ~/(?s:<tool_call>.*)/"
+    if mode == "none":
         lark = f"start: TEXT\n{text}"
         return Grammar("tools", llguidance.LLMatcher.grammar_from_lark(lark), param)
-    chosen = [f for f in functions if choice in ("auto", "required") or f.name == choice]
+    chosen = [f for f in functions if mode != "named" or f.name == name]
     rules = []
     for i, f in enumerate(chosen):
         schema = {
@@ -72,17 +79,21 @@ def tool_grammar(
             "x-guidance": {"whitespace_flexible": False},
         }
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    start = "start: TEXT | calls" if choice == "auto" else "start: calls"
+    calls = 'call ("\\n" call)*' if parallel and mode != "named" else "call"
+    # Whitespace may come before the first call when only calls may come (the reader drops
+    # it); with "auto" the first character decides, and whitespace is not one.
+    start = "start: TEXT | calls" if mode == "auto" else "start: WS? calls"
     lark = "\n".join(
         [
             start,
             f"calls: {calls}",
             f'call: "{OPEN}\\n" ({" | ".join(f"fn{i}" for i in range(len(chosen)))}) "\\n{CLOSE}"',
+            r"WS: /[ \t\r\n]+/",
             *rules,
-            *([text] if choice == "auto" else []),
+            *([text] if mode == "auto" else []),
         ]
     )
+    check_size(lark, param)
     return Grammar("tools", llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
@@ -104,6 +115,7 @@ def render_history(
     out: list[dict[str, Any]] = []
     for m in messages:
         message = dict(m)
+        message["content"] = _text(message.get("content"))
         calls = message.pop("tool_calls", None)
         if calls:
             written = [
@@ -126,6 +138,41 @@ def render_history(
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def _text(content: Any) -> Any:
+    """A message's content as one string when it is text parts (joined as the tokenizer
+    joins them); anything else is left for the tokenizer to refuse."""
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "\n".join(p["text"] for p in content)
+    return content if content is not None else ""
+
+
+def template_history(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a chat template that renders calls itself: each call's arguments as a
+    dict (what such templates expect, as in transformers; a string would be JSON-encoded
+    twice by their ``tojson``)."""
+    out = []
+    for m in messages:
+        message = dict(m)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_parsed_arguments(c) for c in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def _parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        arguments = None
+    if isinstance(arguments, dict):
+        function["arguments"] = arguments
+    return {**call, "function": function}
 
 
 def new_call_id() -> str:

@@ -17,6 +17,8 @@ def test_bounded_numbers_walks_schema_positions_only() -> None:
             "list": {"type": "array", "items": {"type": "number"}},
             "either": {"anyOf": [{"type": "number"}, {"type": "string"}]},
             "fixed": {"const": {"type": "number"}},  # data, not a schema
+            "listed": {"type": "number", "enum": [0.1234567, 2]},  # values kept reachable
+            "tiny": {"type": "number", "minimum": 1e-7, "maximum": 9e-7},
         },
         "$defs": {"n": {"type": "number"}},
     }
@@ -30,6 +32,7 @@ def test_bounded_numbers_walks_schema_positions_only() -> None:
     assert p["either"]["anyOf"][0]["multipleOf"] == tick
     assert p["fixed"] == {"const": {"type": "number"}}
     assert out["$defs"]["n"]["multipleOf"] == tick
+    assert "multipleOf" not in p["listed"] and "multipleOf" not in p["tiny"]
     assert "multipleOf" not in schema["properties"]["price"]  # the input is untouched
 
 

@@ -13,6 +13,7 @@ from kvgate.structured.tools import (
     ToolCallReader,
     call_text,
     render_history,
+    template_history,
     tool_grammar,
 )
 from kvgate.tokenizer import Tokenizer
@@ -86,6 +87,9 @@ def lltok(smollm2_tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     [
         ("auto", True, "It is sunny.", True),
         ("auto", True, CALLS, True),
+        ("auto", True, "\n " + CALLS, False),  # auto: the first character decides...
+        ("auto", True, " It is sunny.", False),  # ...and whitespace is not one
+        ("required", True, "\n " + CALLS, True),
         ("auto", True, "  <tool_call> not json", False),
         ("required", True, "It is sunny.", False),
         ("required", True, CALLS, True),
@@ -93,6 +97,7 @@ def lltok(smollm2_tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         ("required", False, call_text("add", '{"a":2}'), True),
         ("add", True, call_text("get_weather", '{"city":"x"}'), False),
         ("add", True, call_text("add", '{"b":2}'), False),  # arguments must validate
+        ("add", True, call_text("add", '{"a":2}') + "\n" + call_text("add", '{"a":3}'), False),
         ("none", True, CALLS, False),
         ("none", True, "Plain text.", True),
     ],
@@ -101,8 +106,41 @@ def test_the_grammar_allows_what_the_choice_allows(
     lltok: llguidance.LLTokenizer, smollm2_tokenizer: Tokenizer,
     choice: str, parallel: bool, text: str, ok: bool,
 ) -> None:  # fmt: skip
-    matcher = llguidance.LLMatcher(lltok, tool_grammar([WEATHER, ADD], choice, parallel).text)
+    mode, name = (choice, None) if choice in ("auto", "none", "required") else ("named", choice)
+    grammar = tool_grammar([WEATHER, ADD], mode, parallel, name)
+    matcher = llguidance.LLMatcher(lltok, grammar.text)
     assert not matcher.is_error(), matcher.get_error()
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     accepted = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
     assert accepted == ok
+
+
+def test_a_function_may_be_called_like_a_mode(
+    lltok: llguidance.LLTokenizer, smollm2_tokenizer: Tokenizer
+) -> None:
+    none = Function("none", None, {"type": "object", "properties": {}})
+    matcher = llguidance.LLMatcher(lltok, tool_grammar([none], "named", True, "none").text)
+    ids = smollm2_tokenizer.encode(call_text("none", "{}"), add_special_tokens=False)
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_history_content_as_text_parts_is_flattened() -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "checking"}],
+         "tool_calls": [{"function": {"name": "add", "arguments": '{"a":1}'}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "2"}]},
+    ]  # fmt: skip
+    out = render_history(messages, [ADD])
+    assert out[1]["content"] == "a\nb"
+    assert out[2]["content"] == "checking\n" + call_text("add", '{"a":1}')
+    assert out[3]["content"] == "<tool_response>\n2\n</tool_response>"
+
+
+def test_templates_that_render_calls_get_arguments_as_objects() -> None:
+    good = {"id": "c", "function": {"name": "add", "arguments": '{"a":1}'}}
+    bad = {"id": "d", "function": {"name": "add", "arguments": "oops"}}
+    messages = [{"role": "assistant", "content": "", "tool_calls": [good, bad]}]
+    calls = template_history(messages)[0]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"a": 1}
+    assert calls[1]["function"]["arguments"] == "oops"  # not JSON: left as sent
