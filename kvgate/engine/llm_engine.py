@@ -36,7 +36,7 @@ from kvgate.errors import (
 from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
-from kvgate.model.llama import LlamaModel
+from kvgate.model.models import model_class
 from kvgate.model.precision import resolve_dtype, upcast_attention
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
@@ -98,7 +98,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.max_model_len = self._resolve_max_model_len()
-        self.model = LlamaModel(
+        self.model = model_class(checkpoint.config)(
             checkpoint.config,
             checkpoint.weights,
             dtype=self.dtype,
@@ -109,6 +109,7 @@ class LLMEngine:
                 checkpoint.config.head_dim,
                 decode_kernel=kernels.attention,
                 upcast=upcast_attention(self.dtype, self.device),
+                scale=checkpoint.config.attention_scale,
             ),
             source=checkpoint.path,
             kernels=kernels,

@@ -2,20 +2,25 @@
 ``model_type``, GGUF ``general.architecture``), what its layers hold beyond the Llama core,
 and every weight it reads, under HF names with their GGUF spellings.
 
-All of them run the Llama forward pass (``llama.py``) with the differences named here:
+Two forward passes (``model_class``) serve them, with the differences named here:
 
-- Llama (and Mistral, SmolLM): the core. llama.cpp stores its Q/K rows permuted.
+- Llama (and Mistral, SmolLM), ``llama.py``: the core. llama.cpp stores its Q/K rows permuted.
 - Qwen2 / Qwen2.5: biases on the q, k and v projections.
 - Qwen3: a per-head RMSNorm on q and on k (over the head dimension) before RoPE; no biases.
+- Gemma 3 (text), ``gemma3.py``: q/k norms, "sandwich" norms (after attention and around the
+  MLP as well), norms that scale by ``1 + w``, GeGLU, embeddings scaled by sqrt(hidden),
+  sliding-window layers between global ones (``ModelConfig.layer_types``) with their own
+  RoPE base. llama.cpp stores its norms as ``1 + w`` (undone at load).
 
-Adding an architecture of this family is adding an ``Architecture`` here; the loaders, the
-weight check and the forward pass read it from ``ModelConfig.arch``.
+Adding an architecture is adding an ``Architecture`` here (and, if its layers differ in kind,
+a model class in ``models.py``); the loaders, the weight check and the forward pass read it
+from ``ModelConfig.arch``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvgate.errors import UnsupportedModel
@@ -34,6 +39,19 @@ class Architecture:
     qk_norm: bool = False
     #: llama.cpp's converter permutes Q/K rows for this architecture (undone at load).
     gguf_permutes_qk: bool = False
+    #: The forward pass: ``"llama"`` or ``"gemma3"`` (``models.py``).
+    model_class: str = "llama"
+    #: Norms after attention and before and after the MLP (Gemma): four per layer.
+    sandwich_norms: bool = False
+    #: Norm weights are stored as ``w`` and scale by ``norm_offset + w`` (Gemma: 1); llama.cpp
+    #: stores ``norm_offset + w``.
+    norm_offset: float = 0.0
+    #: Per-layer GGUF names that differ from ``GGUF_LAYER_NAMES`` for this architecture.
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    #: A token that ends a turn (and so generation) where the file names only ``<eos>``.
+    end_of_turn: str | None = None
+    #: The chat template for files that carry none (GGUF of a base model).
+    default_chat_template: str | None = None
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every weight the forward pass reads, HF name and shape ``[out, in]``, in layer
@@ -60,6 +78,9 @@ class Architecture:
             yield p + "mlp.down_proj.weight", (h, inter)
             yield p + "input_layernorm.weight", (h,)
             yield p + "post_attention_layernorm.weight", (h,)
+            if self.sandwich_norms:
+                yield p + "pre_feedforward_layernorm.weight", (h,)
+                yield p + "post_feedforward_layernorm.weight", (h,)
         yield "model.norm.weight", (h,)
         if not config.tie_word_embeddings:
             yield "lm_head.weight", (config.vocab_size, h)
@@ -70,7 +91,39 @@ LLAMA = Architecture(
 )
 QWEN2 = Architecture("qwen2", ("qwen2",), "qwen2", "Qwen2ForCausalLM", qkv_bias=True)
 QWEN3 = Architecture("qwen3", ("qwen3",), "qwen3", "Qwen3ForCausalLM", qk_norm=True)
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3)}
+# Gemma's turn format (a system message opens the first user turn, as Gemma's own template does).
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{%- if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif -%}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif -%}"
+)
+
+GEMMA3 = Architecture(
+    "gemma3",
+    ("gemma3_text",),
+    "gemma3",
+    "Gemma3ForCausalLM",
+    qk_norm=True,
+    model_class="gemma3",
+    sandwich_norms=True,
+    norm_offset=1.0,
+    gguf_layer_names={
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    end_of_turn="<end_of_turn>",
+    default_chat_template=_GEMMA_TEMPLATE,
+)
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3)}
 
 #: GGUF tensor names -> HF names: whole names, and the per-layer suffixes of "blk.{i}.".
 GGUF_GLOBAL_NAMES = {
@@ -94,6 +147,11 @@ GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+
+def gguf_layer_name(arch: Architecture, suffix: str) -> str | None:
+    """The HF per-layer name of GGUF's ``blk.{i}.<suffix>`` in ``arch``, or None."""
+    return arch.gguf_layer_names.get(suffix) or GGUF_LAYER_NAMES.get(suffix)
 
 
 def architecture(name: str) -> Architecture:

@@ -83,8 +83,10 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Attention of every query over its sequence's context, read from the pool."""
+        """Attention of every query over its sequence's context, read from the pool; with a
+        ``window``, over the last ``window`` positions only (the query's own included)."""
         ...
 
 
@@ -108,6 +110,7 @@ class TorchAttention:
         head_dim: int,
         decode_kernel: PagedDecodeKernel | None = None,
         upcast: bool = False,
+        scale: float | None = None,
     ) -> None:
         self.decode_kernel = decode_kernel
         #: bf16 attention matmuls computed in float32 and rounded back, for CPUs where
@@ -118,7 +121,7 @@ class TorchAttention:
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
@@ -143,16 +146,24 @@ class TorchAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         # K/V of this step are in the pool already, so every sequence reads its whole context
         # from there (a fresh prompt uses k and v directly).
         if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+            out[: meta.num_decodes] = self._decode(
+                q[: meta.num_decodes], k_cache, v_cache, meta, window
+            )
         for p in meta.prefills:
-            out[p.token_start : p.token_end] = self._prefill(q, k, v, k_cache, v_cache, p)
+            if window is not None and p.context_len > window:
+                out[p.token_start : p.token_end] = self._windowed_prefill(
+                    q, k, v, k_cache, v_cache, p, window
+                )
+            else:  # the window holds the whole context: plain causal attention
+                out[p.token_start : p.token_end] = self._prefill(q, k, v, k_cache, v_cache, p)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -161,10 +172,17 @@ class TorchAttention:
         return cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None and int(meta.decode_lens.max()) <= window:
+            window = None  # every context fits its window
         kernel = self.decode_kernel
-        if kernel is not None and kernel.supports(
+        if window is None and kernel is not None and kernel.supports(
             q.dtype, self.group, self.head_dim, k_cache.shape[2]
         ):
             return kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale)
@@ -174,6 +192,8 @@ class TorchAttention:
         # Padding past each sequence's length: bias [1, B, 1, L], 0 to attend, -inf to hide.
         span = torch.arange(keys.shape[2], device=q.device)
         hidden = span[None, :] >= meta.decode_lens[:, None]
+        if window is not None:  # the query sits at len - 1 and sees positions > len - 1 - window
+            hidden |= span[None, :] < (meta.decode_lens - window)[:, None]
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device)
         bias = bias.masked_fill_(hidden, float("-inf")).view(1, b, 1, -1)
         # GQA without repeating K/V: the query heads sharing a KV head are that head's
@@ -220,6 +240,32 @@ class TorchAttention:
             causal = False
         o = self._sdpa(qs, ks.unsqueeze(0), vs.unsqueeze(0), mask, causal)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
+
+    def _windowed_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        p: PrefillSlice,
+        window: int,
+    ) -> torch.Tensor:
+        """A prompt (chunk) whose context is longer than the window: query at position i sees
+        keys i - window + 1 .. i. [Lq, Hq, D]"""
+        lq = p.token_end - p.token_start
+        qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        if p.start_pos == 0:
+            ks = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, Lq, D]
+            vs = v[p.token_start : p.token_end].transpose(0, 1)
+        else:
+            ks = self._gather(k_cache, p.block_table)[:, : p.context_len]  # [Hkv, ctx, D]
+            vs = self._gather(v_cache, p.block_table)[:, : p.context_len]
+        q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)[:, None]
+        k_pos = torch.arange(p.context_len, device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        o = self._sdpa(qs, ks.unsqueeze(0), vs.unsqueeze(0), mask, False)
+        return o.squeeze(0).transpose(0, 1)
 
     def _short_prefill_and_tail(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSlice

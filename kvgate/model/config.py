@@ -1,4 +1,4 @@
-"""Architecture hyper-parameters of a Llama-family model, independent of where they were read."""
+"""Architecture hyper-parameters of a decoder model, independent of where they were read."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: Per layer: ``"full"`` attention or ``"sliding"`` (over the last ``sliding_window``
+    #: tokens, the query's own included). Empty: every layer is full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    #: RoPE base of the sliding layers where it differs from ``rope_theta`` (Gemma 3: 10k local,
+    #: 1M global); the sliding layers never use ``rope_scaling``.
+    rope_local_theta: float | None = None
+    #: Softmax scale of attention scores; None: ``head_dim ** -0.5``.
+    attention_scale: float | None = None
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    #: logits <- tanh(logits / cap) * cap (Gemma 2 style); None: none.
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -50,6 +62,29 @@ class ModelConfig:
                 f"({self.num_kv_heads})",
                 path="<config>",
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise UnsupportedModel(
+                f"{len(self.layer_types)} layer types for {self.num_layers} layers",
+                path="<config>",
+            )
+        if set(self.layer_types) - {"full", "sliding"}:
+            raise UnsupportedModel(
+                f"layer types must be 'full' or 'sliding', got {sorted(set(self.layer_types))}",
+                path="<config>",
+            )
+        if "sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise UnsupportedModel("sliding layers need a positive sliding_window", path="<config>")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModel(
+                f"activation {self.hidden_act!r} is not supported (silu, gelu_tanh)",
+                path="<config>",
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return None
 
     @property
     def arch(self) -> Architecture:

@@ -1,9 +1,9 @@
-"""Load a llama.cpp GGUF file (the architectures of ``architectures.py``, byte-level BPE vocab)
-as a Checkpoint.
+"""Load a llama.cpp GGUF file (the architectures of ``architectures.py``; byte-level BPE or
+SentencePiece vocabularies) as a Checkpoint.
 
 Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), renamed to Hugging Face
-names, and attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout where
-llama.cpp permuted them (Llama).
+names, attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout where
+llama.cpp permuted them (Llama), and norms stored as ``1 + w`` go back to ``w`` (Gemma).
 """
 
 from __future__ import annotations
@@ -21,10 +21,17 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
-from kvgate.model.architectures import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, from_gguf_name
+from kvgate.model.architectures import (
+    ARCHITECTURES,
+    GGUF_GLOBAL_NAMES,
+    Architecture,
+    from_gguf_name,
+    gguf_layer_name,
+)
 from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
 from kvgate.model.config import ModelConfig, RopeScaling
 from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
+from kvgate.tokenizer_spm import spm_backend
 
 __all__ = ["is_gguf_file", "load_gguf", "load_gguf_tokenizer"]
 
@@ -58,13 +65,15 @@ def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     tokenizer = _tokenizer_from_fields(fields, file)
 
     weights: dict[str, torch.Tensor] = {}
+    arch = config.arch
     for info in infos:
-        name = _hf_name(info.name, file)
+        name = _hf_name(arch, info.name, file)
         t = _read_tensor(buf, data_start, info, file)
-        permuted = config.arch.gguf_permutes_qk
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch.gguf_permutes_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             t = _unpermute(t, heads, file, info.name)
+        if arch.norm_offset and name.endswith("norm.weight"):
+            t = t.float() - arch.norm_offset  # transformers undoes it the same way
         weights[name] = t
     check_weights(weights, config, file)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=file)
@@ -107,12 +116,12 @@ def _unpermute(w: torch.Tensor, n_heads: int, file: str, name: str) -> torch.Ten
     ).contiguous()
 
 
-def _hf_name(gguf_name: str, file: str) -> str:
+def _hf_name(arch: Architecture, gguf_name: str, file: str) -> str:
     if gguf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
+    if m and (suffix := gguf_layer_name(arch, m.group(2))) is not None:
+        return f"model.layers.{m.group(1)}.{suffix}"
     if gguf_name == "rope_freqs.weight":
         raise UnsupportedModel(
             f"{file}: llama3-style RoPE scaling stored as 'rope_freqs.weight' is not supported",
@@ -346,6 +355,9 @@ class _Fields:
             raise self._bad(key, "a positive number")
         return float(value)
 
+    def opt_pos_float(self, key: str) -> float | None:
+        return None if self.fields.get(key) is None else self.pos_float(key)
+
     def opt_str(self, key: str) -> str | None:
         value = self.fields.get(key)
         if value is not None and not isinstance(value, str):
@@ -376,17 +388,20 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
             "are not supported",
             path=file,
         )
+    if f"{arch}.attn_logit_softcapping" in fields:
+        raise UnsupportedModel(f"{file}: attention logit soft-capping is not supported", path=file)
     # The vocab size: stated, else the token list's length (check_weights compares it with the
     # embedding's rows).
     tokens = f.opt_list("tokenizer.ggml.tokens", str) or []
-    eos_ids = [f.opt_int("tokenizer.ggml.eos_token_id"), f.opt_int("tokenizer.ggml.eot_token_id")]
+    num_layers = f.pos_int(f"{arch}.block_count")
+    extra = _gemma3_fields(f, arch, num_layers) if architecture.model_class == "gemma3" else {}
     return make_config(
         file,
         architecture=architecture.name,
         vocab_size=f.pos_int(f"{arch}.vocab_size", len(tokens) or None),
         hidden_size=hidden,
         intermediate_size=f.pos_int(f"{arch}.feed_forward_length"),
-        num_layers=f.pos_int(f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -396,8 +411,34 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
         tie_word_embeddings="output.weight" not in tensors,
         rope_scaling=_rope_scaling(f, arch),
         bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        eos_token_ids=_eos_ids(f, architecture, tokens),
+        **extra,
     )
+
+
+def _gemma3_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's sliding-window layout and constants. llama.cpp writes the window but not
+    which layers use it, nor the local RoPE base: its loader hard-codes both (every sixth layer
+    global, base 10k locally), and so do transformers' defaults; files that state them win."""
+    pattern = f.pos_int(f"{arch}.attention.sliding_window_pattern", 6)
+    return {
+        "layer_types": tuple(
+            "full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)
+        ),
+        "sliding_window": f.pos_int(f"{arch}.attention.sliding_window"),
+        "rope_local_theta": _f32(f.pos_float(f"{arch}.rope.freq_base_swa", 10000.0)),
+        "hidden_act": "gelu_tanh",
+        "final_logit_softcapping": f.opt_pos_float(f"{arch}.final_logit_softcapping"),
+    }
+
+
+def _eos_ids(f: _Fields, arch: Architecture, tokens: list[str]) -> tuple[int, ...]:
+    """The file's EOS and end-of-turn ids, and the architecture's end-of-turn token where the
+    file names none (Gemma's files name only ``<eos>``; its chats end with ``<end_of_turn>``)."""
+    ids = [f.opt_int("tokenizer.ggml.eos_token_id"), f.opt_int("tokenizer.ggml.eot_token_id")]
+    if arch.end_of_turn is not None and arch.end_of_turn in tokens:
+        ids.append(tokens.index(arch.end_of_turn))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _rope_scaling(f: _Fields, arch: str) -> RopeScaling | None:
@@ -415,10 +456,42 @@ def _rope_scaling(f: _Fields, arch: str) -> RopeScaling | None:
 def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
     f = _Fields(fields, file)
     model = fields.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UnsupportedModel(
-            f"{file}: tokenizer type {model!r} is not supported (only byte-level BPE, 'gpt2')",
+            f"{file}: tokenizer type {model!r} is not supported (byte-level BPE 'gpt2', "
+            "SentencePiece BPE 'llama')",
             path=file,
+        )
+    tokens = f.opt_list("tokenizer.ggml.tokens", str)
+    if not tokens:
+        raise CorruptWeights(f"{file}: tokenizer tokens are missing", path=file)
+    token_types = f.opt_list("tokenizer.ggml.token_type", int)
+    if token_types is not None and len(token_types) != len(tokens):
+        raise CorruptWeights(f"{file}: token_type and tokens differ in length", path=file)
+    # The architecture may be unknown here (load_gguf_tokenizer): its defaults are optional.
+    name = fields.get("general.architecture")
+    arch = next((a for a in ARCHITECTURES.values() if a.gguf_name == name), None)
+    template = f.opt_str("tokenizer.chat_template")
+    if template is None and arch is not None:
+        template = arch.default_chat_template
+    eos_ids = _eos_ids(f, arch, tokens) if arch is not None else ()
+    bos = f.opt_int("tokenizer.ggml.bos_token_id")
+    eos = f.opt_int("tokenizer.ggml.eos_token_id")
+    # convert_hf_to_gguf writes the flag; absent, do as transformers does for BPE: no BOS.
+    add_bos = fields.get("tokenizer.ggml.add_bos_token") is True
+    if model == "llama":
+        try:
+            backend = spm_backend(tokens, token_types, f.opt_int("tokenizer.ggml.unknown_token_id"))
+        except ValueError as exc:
+            raise CorruptWeights(f"{file}: {exc}", path=file) from exc
+        return Tokenizer(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            add_bos_token=add_bos,
+            chat_template=template,
+            extra_eos_token_ids=eos_ids,
+            vocab_size=len(tokens),
         )
     pre = f.opt_str("tokenizer.ggml.pre")
     if pre not in GGUF_PRE_TOKENIZERS:
@@ -427,13 +500,9 @@ def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
             f"(supported: {sorted(p for p in GGUF_PRE_TOKENIZERS if p)})",
             path=file,
         )
-    tokens = f.opt_list("tokenizer.ggml.tokens", str)
     merges = f.opt_list("tokenizer.ggml.merges", str)
-    if not tokens or merges is None:
-        raise CorruptWeights(f"{file}: tokenizer tokens or merges are missing", path=file)
-    token_types = f.opt_list("tokenizer.ggml.token_type", int)
-    if token_types is not None and len(token_types) != len(tokens):
-        raise CorruptWeights(f"{file}: token_type and tokens differ in length", path=file)
+    if merges is None:
+        raise CorruptWeights(f"{file}: tokenizer merges are missing", path=file)
     eot = f.opt_int("tokenizer.ggml.eot_token_id")
     try:
         return Tokenizer.from_gguf_fields(
@@ -441,12 +510,11 @@ def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
             merges,
             token_types,
             pre=pre,
-            bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
-            eos_token_id=f.opt_int("tokenizer.ggml.eos_token_id"),
-            # convert_hf_to_gguf writes the flag; absent, do as transformers does for BPE: no BOS.
-            add_bos_token=fields.get("tokenizer.ggml.add_bos_token") is True,
-            chat_template=f.opt_str("tokenizer.chat_template"),
-            extra_eos_token_ids=[] if eot is None else [eot],
+            bos_token_id=bos,
+            eos_token_id=eos,
+            add_bos_token=add_bos,
+            chat_template=template,
+            extra_eos_token_ids=list(eos_ids) or ([] if eot is None else [eot]),
         )
     except ValueError as exc:  # malformed merges / vocabulary
         raise CorruptWeights(f"{file}: {exc}", path=file) from exc

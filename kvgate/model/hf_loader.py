@@ -83,9 +83,10 @@ def config_from_hf(
     """
     model_type = raw.get("model_type")
     arch = from_hf_model_type(model_type, file)
+    gemma = arch.model_class == "gemma3"
 
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if not gemma and act != "silu":
         raise UnsupportedModel(
             f"{file}: hidden_act {act!r} is not supported (only silu)", path=file
         )
@@ -101,12 +102,13 @@ def config_from_hf(
     heads = _positive_int(raw, "num_attention_heads", file)
     max_pos = raw.get("max_position_embeddings")
     window = _sliding_window(raw, arch.name)
-    if window is not None and isinstance(max_pos, int) and window < max_pos:
+    if not gemma and window is not None and isinstance(max_pos, int) and window < max_pos:
         # Attention within a window as long as the whole context is full attention: capping the
         # context keeps the plain (full-attention) forward pass exact.
         max_pos = window
 
-    rope_theta, rope_scaling = _rope(raw, file)
+    extra = _gemma3_fields(raw, file) if gemma else {}
+    rope_theta, rope_scaling = extra.pop("rope") if gemma else _rope(raw, file)
     gen = generation or {}
     eos = int_list(raw.get("eos_token_id")) + int_list(gen.get("eos_token_id"))
     if not eos and tokenizer is not None:
@@ -131,7 +133,62 @@ def config_from_hf(
         rope_scaling=rope_scaling,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        **extra,
     )
+
+
+_GEMMA_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def _gemma3_fields(raw: Mapping[str, Any], file: str) -> dict[str, Any]:
+    """Gemma 3's own keys (transformers v4 and v5 spellings): activation, layer types and
+    window, local and global RoPE, attention scale, soft-capping. ``rope``: (theta, scaling)
+    of the global layers."""
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModel(
+            f"{file}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)", path=file
+        )
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise UnsupportedModel(f"{file}: {key} is not supported", path=file)
+    layers = _positive_int(raw, "num_hidden_layers", file)
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        if not isinstance(pattern, int) or pattern <= 0:
+            raise CorruptWeights(f"{file}: sliding_window_pattern must be positive", path=file)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]  # fmt: skip
+    if not isinstance(types, list) or any(t not in _GEMMA_LAYER_TYPES for t in types):
+        raise UnsupportedModel(
+            f"{file}: layer_types must list 'sliding_attention' or 'full_attention'", path=file
+        )
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:  # v5: per layer type
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        rope = _rope({"rope_parameters": full, "rope_theta": full.get("rope_theta", 1e6)}, file)
+        local_theta = local.get("rope_theta", 10000.0)
+    else:
+        rope = _rope({**raw, "rope_theta": raw.get("rope_theta", 1e6)}, file)
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+    scalar = raw.get("query_pre_attn_scalar", raw.get("head_dim"))
+    cap = raw.get("final_logit_softcapping")
+    for key, value in (("rope_local_base_freq", local_theta), ("query_pre_attn_scalar", scalar)):
+        if not _is_number(value) or value <= 0:
+            raise CorruptWeights(f"{file}: {key} must be a positive number", path=file)
+    if cap is not None and (not _is_number(cap) or cap <= 0):
+        raise CorruptWeights(f"{file}: final_logit_softcapping must be positive", path=file)
+    return {
+        "rope": rope,
+        "layer_types": tuple(_GEMMA_LAYER_TYPES[t] for t in types),
+        "sliding_window": raw.get("sliding_window"),
+        "rope_local_theta": float(local_theta),
+        "attention_scale": float(scalar) ** -0.5,
+        "hidden_act": "gelu_tanh",
+        "final_logit_softcapping": None if cap is None else float(cap),
+    }
 
 
 def _positive_int(raw: Mapping[str, Any], key: str, file: str) -> int:

@@ -34,6 +34,8 @@ class LayerWeights:
     down: Linear  # I -> H
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of q, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: the same for k
+    pre_ffn_norm: torch.Tensor | None = None  # [H]: Gemma's norm before the MLP ...
+    post_ffn_norm: torch.Tensor | None = None  # [H]: ... and after it
 
 
 class LlamaModel:
@@ -72,7 +74,7 @@ class LlamaModel:
         else:
             lm_head = self._raw(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
         self.lm_head = self.linear(lm_head, None)
-        self.final_norm = self._take(weights, "model.norm.weight", (c.hidden_size,))
+        self.final_norm = self._norm(weights, "model.norm.weight", (c.hidden_size,))
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
@@ -102,6 +104,12 @@ class LlamaModel:
         self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
     ) -> torch.Tensor:
         return self._cast(self._raw(weights, name, shape))
+
+    def _norm(
+        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """A norm's weight as the forward pass multiplies by it."""
+        return self._take(weights, name, shape)
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -144,16 +152,16 @@ class LlamaModel:
         o = self._raw(weights, p + "self_attn.o_proj.weight", (h, self.q_size))
         down = self._raw(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
         return LayerWeights(
-            input_norm=self._take(weights, p + "input_layernorm.weight", (h,)),
+            input_norm=self._norm(weights, p + "input_layernorm.weight", (h,)),
             qkv=self.linear(torch.cat([q, k, v]), bias),
             o=self.linear(o, None),
-            post_norm=self._take(weights, p + "post_attention_layernorm.weight", (h,)),
+            post_norm=self._norm(weights, p + "post_attention_layernorm.weight", (h,)),
             gate_up=self.linear(torch.cat([gate, up]), None),
             down=self.linear(down, None),
-            q_norm=self._take(weights, p + "self_attn.q_norm.weight", (c.head_dim,))
+            q_norm=self._norm(weights, p + "self_attn.q_norm.weight", (c.head_dim,))
             if c.qk_norm
             else None,
-            k_norm=self._take(weights, p + "self_attn.k_norm.weight", (c.head_dim,))
+            k_norm=self._norm(weights, p + "self_attn.k_norm.weight", (c.head_dim,))
             if c.qk_norm
             else None,
         )

@@ -1,0 +1,14 @@
+"""The model class of each architecture (``Architecture.model_class``)."""
+
+from __future__ import annotations
+
+from kvgate.model.config import ModelConfig
+from kvgate.model.gemma3 import Gemma3Model
+from kvgate.model.llama import LlamaModel
+
+_CLASSES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, "gemma3": Gemma3Model}
+
+
+def model_class(config: ModelConfig) -> type[LlamaModel]:
+    """The class whose forward pass runs ``config``'s architecture."""
+    return _CLASSES[config.arch.model_class]
