@@ -182,8 +182,10 @@ class TorchAttention:
         if window is not None and int(meta.decode_lens.max()) <= window:
             window = None  # every context fits its window
         kernel = self.decode_kernel
-        if window is None and kernel is not None and kernel.supports(
-            q.dtype, self.group, self.head_dim, k_cache.shape[2]
+        if (
+            window is None
+            and kernel is not None
+            and kernel.supports(q.dtype, self.group, self.head_dim, k_cache.shape[2])
         ):
             return kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale)
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim

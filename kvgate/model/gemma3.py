@@ -25,8 +25,7 @@ from kvgate.model.rope import RotaryEmbedding, apply_rotary
 
 
 class Gemma3Model(LlamaModel):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def _setup(self) -> None:
         c = self.config
         local_theta = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
         self.rope_local = RotaryEmbedding(
@@ -73,15 +72,13 @@ class Gemma3Model(LlamaModel):
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H]
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
-        tables = {None: self.rope.tables(positions)}
+        tables = (self.rope.tables(positions), self.rope_local.tables(positions))
         x = F.embedding(input_ids, self.embed) * self.embed_scale  # [T, H]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and between_layers is not None:
                 between_layers()
             window = self.windows[i]
-            if window not in tables:
-                tables[window] = self.rope_local.tables(positions)
-            cos, sin = tables[window]
+            cos, sin = tables[window is not None]  # sliding layers: the local RoPE
             qkv = layer.qkv(self._rms(x, layer.input_norm))
             q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
             assert layer.q_norm is not None and layer.k_norm is not None

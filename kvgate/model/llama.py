@@ -81,6 +81,10 @@ class LlamaModel:
         )
         self.ops = self._layer_ops(kernels.elementwise if kernels else None)
         self.native_decode = self._native_decode(kernels.level) if kernels else None
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a subclass's forward pass needs beyond the weights (called last in init)."""
 
     def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
