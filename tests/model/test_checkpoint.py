@@ -562,7 +562,7 @@ def test_damaged_gguf_never_escapes_as_a_bare_error(
     ("kwargs", "message"),
     [
         ({"arch": "gemma"}, "architecture 'gemma'"),
-        ({"edit": lambda w: w.add_tokenizer_model("llama")}, "tokenizer type 'llama'"),
+        ({"edit": lambda w: w.add_tokenizer_model("t5")}, "tokenizer type 't5'"),
         ({"edit": lambda w: w.add_tokenizer_pre("exotic")}, "exotic"),
         ({"edit": lambda w: w.add_string("llama.rope.scaling.type", "yarn")}, "yarn"),
     ],

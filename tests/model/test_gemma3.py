@@ -1,0 +1,212 @@
+"""Gemma 3 against transformers on a tiny random checkpoint whose sliding window (24 tokens)
+is shorter than most prompts: the same weights as an HF directory and as a GGUF file, greedy
+in fp32 one at a time, batched, with prefill chunked small and with prefix-cache hits."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvgate import SamplingParams
+from kvgate.entrypoints.llm import LLM
+from kvgate.errors import UnsupportedModel
+from kvgate.model.checkpoint import load_checkpoint
+from kvgate.model.gguf_loader import _map, _parse_header
+from kvgate.tokenizer import Tokenizer
+from tests.hf_reference import hf_greedy
+from tests.tiny_model import TINY_LLAMA
+
+WINDOW = 24
+LAYERS = 6  # sliding, sliding, full, sliding, sliding, full
+NEW_TOKENS = 24
+PROMPT_LENS = (1, 20, 40, 100, 300)
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _hf_config() -> Any:
+    from transformers import Gemma3TextConfig
+
+    base = {k: v for k, v in TINY_LLAMA.items() if k != "rope_theta"}
+    return Gemma3TextConfig(
+        **{**base, "num_hidden_layers": LAYERS},
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                     for i in range(LAYERS)],  # fmt: skip
+        # Not the head dim (16): the scale must come from here.
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+
+
+def _write_gguf(path: Path, model: Any, smollm2_gguf_path: Path) -> None:
+    """llama.cpp's layout of the same weights: Gemma's names, norms stored as 1 + w, the
+    sliding window in the metadata, and SmolLM2's vocabulary (as the HF directory has)."""
+    from gguf import GGUFWriter
+
+    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
+    c = model.config
+    writer = GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_sliding_window(WINDOW)
+    writer.add_uint32("gemma3.attention.sliding_window_pattern", 3)
+    writer.add_float32("gemma3.attention.scale", 24**-0.5)  # query_pre_attn_scalar
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        array = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer, smollm2_gguf_path: Path
+) -> dict[str, Any]:
+    from transformers import Gemma3ForCausalLM
+
+    root = tmp_path_factory.mktemp("gemma3")
+    torch.manual_seed(3)
+    model = Gemma3ForCausalLM(_hf_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # HF initialises (1 + w) norms to w = 0: make them matter
+                p.uniform_(-0.5, 0.5)
+            if "embed" in name:  # embeddings x sqrt(hidden) would drown attention's part
+                p.mul_(0.05)
+    model.save_pretrained(root / "hf", safe_serialization=True)
+    smollm2_tokenizer.save_hf(root / "hf")
+    _write_gguf(root / "tiny.gguf", model, smollm2_gguf_path)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    return {
+        "hf": root / "hf",
+        "gguf": root / "tiny.gguf",
+        "prompts": prompts,
+        "expected": hf_greedy(model, prompts, max_new_tokens=NEW_TOKENS),
+        "model": model,
+    }
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_matches_transformers(source: str, tiny_gemma3: dict[str, Any]) -> None:
+    prompts, expected = tiny_gemma3["prompts"], tiny_gemma3["expected"]
+    # max_num_batched_tokens=16: the 300-token prompt is prefilled in chunks of 16, most of
+    # them wholly past the window of their sliding layers.
+    llm = LLM(
+        str(tiny_gemma3[source]), dtype="float32", kv_cache_memory="64MiB",
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert llm.engine.model_config.layer_types == ("sliding", "sliding", "full") * 2
+    assert [_greedy(llm, [p])[0] for p in prompts] == expected  # one at a time
+    assert _greedy(llm, prompts) == expected  # batched
+
+
+def test_prefix_cache_hits_keep_the_window(tiny_gemma3: dict[str, Any]) -> None:
+    """A prompt whose first 96 tokens are cached (4x the window) continues exactly as HF."""
+    from transformers import Gemma3ForCausalLM
+
+    prompts = tiny_gemma3["prompts"]
+    longer = prompts[3] + prompts[2]  # 100 cached-able tokens, then 40 more
+    expected = hf_greedy(tiny_gemma3["model"], [longer], max_new_tokens=NEW_TOKENS)
+    assert isinstance(tiny_gemma3["model"], Gemma3ForCausalLM)
+    llm = LLM(str(tiny_gemma3["hf"]), dtype="float32", kv_cache_memory="64MiB")
+    _greedy(llm, [prompts[3]])
+    out = llm.generate([longer], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0]
+    assert out.num_cached_tokens >= 96
+    assert list(out.token_ids) == expected[0]
+
+
+def test_the_window_is_what_makes_the_match(tiny_gemma3: dict[str, Any]) -> None:
+    """The same run with every layer global differs: the tests above can fail."""
+    llm = LLM(str(tiny_gemma3["hf"]), dtype="float32", kv_cache_memory="64MiB")
+    llm.engine.model.windows = [None] * LAYERS  # type: ignore[attr-defined]
+    got = _greedy(llm, tiny_gemma3["prompts"])
+    assert sum(g != e for g, e in zip(got, tiny_gemma3["expected"], strict=True)) >= 4
+
+
+def test_bfloat16_agrees(tiny_gemma3: dict[str, Any]) -> None:
+    llm = LLM(str(tiny_gemma3["hf"]), dtype="bfloat16", kv_cache_memory="64MiB")
+    got = _greedy(llm, tiny_gemma3["prompts"])
+    first = sum(g[0] == e[0] for g, e in zip(got, tiny_gemma3["expected"], strict=True))
+    assert first >= 4, (got, tiny_gemma3["expected"])
+
+
+def test_gguf_norms_are_stored_plus_one(tiny_gemma3: dict[str, Any]) -> None:
+    """The loader takes llama.cpp's 1 + w back to HF's w (and the weights compare equal)."""
+    ckpt = load_checkpoint(tiny_gemma3["gguf"])
+    state = tiny_gemma3["model"].state_dict()
+    for name in ("model.layers.0.pre_feedforward_layernorm.weight", "model.norm.weight"):
+        torch.testing.assert_close(ckpt.weights[name], state[name].float(), rtol=0, atol=1e-6)
+    assert ckpt.config.eos_token_ids == (2,)
+
+
+def test_hf_gemma3_with_soft_capped_attention_is_refused(
+    tiny_gemma3: dict[str, Any], tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    directory = tmp_path / "capped"
+    shutil.copytree(tiny_gemma3["hf"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["attn_logit_softcapping"] = 50.0
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="attn_logit_softcapping"):
+        load_checkpoint(directory)
