@@ -43,6 +43,10 @@ _GGUF_LAYER = {
 }
 
 
+def _layer_type(i: int) -> str:
+    return "full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+
+
 def _hf_config() -> Any:
     from transformers import Gemma3TextConfig
 
@@ -51,8 +55,7 @@ def _hf_config() -> Any:
         **{**base, "num_hidden_layers": LAYERS},
         head_dim=16,
         sliding_window=WINDOW,
-        layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
-                     for i in range(LAYERS)],  # fmt: skip
+        layer_types=[_layer_type(i) for i in range(LAYERS)],
         # Not the head dim (16): the scale must come from here.
         query_pre_attn_scalar=24,
         rope_parameters={
