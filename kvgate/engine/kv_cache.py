@@ -1,31 +1,54 @@
-"""Per-request KV block bookkeeping on top of the block pool: allocation, prefix hits, release."""
+"""Per-request KV block bookkeeping on top of the block pool: allocation, prefix hits, release,
+and the return of blocks that fell out of a sliding window.
+
+A request holds one block table per group of layers (``KVLayout``): token ``t`` of group
+``g`` lives in ``tables[g][t // block_size]`` at slot ``t % block_size``. In a sliding-window
+group, an entry is ``None`` once no later query can read it (it went back to the pool, still
+cached for prefix hits if it was full); a global group keeps every block.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 
-from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvgate.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from kvgate.engine.request import Request
+from kvgate.model.kv_layout import KVGroup, KVLayout, cdiv
+
+__all__ = ["KVCacheManager", "PrefixHit", "Table", "cdiv"]
+
+Table = list[KVBlock | None]
+#: Prefix-cache hits of a request: one table per group, all of the same length (the hit in
+#: blocks); sliding groups have ``None`` where the window no longer reaches.
+PrefixHit = Sequence[Sequence[KVBlock | None]]
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _one_group() -> KVLayout:
+    return KVLayout((KVGroup((0,), None),), 1)
 
 
 class KVCacheManager:
-    """Maps requests to the blocks that hold their KV.
+    """Maps requests to the blocks that hold their KV."""
 
-    A request's blocks cover its first ``num_computed_tokens`` (+ the tokens being computed)
-    in order: token ``t`` lives in ``blocks[t // block_size]`` at slot ``t % block_size``.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        layout: KVLayout | None = None,
+    ):
         self.block_size = block_size
+        self.layout = layout or _one_group()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        # How many leading blocks of each request are registered in the prefix cache.
-        self._num_cached: dict[str, int] = {}
+        #: Request id -> one block table per group.
+        self.req_blocks: dict[str, list[Table]] = {}
+        # Per request and group: how many leading entries are registered in the prefix cache,
+        # and (sliding groups) how many leading entries were given back.
+        self._num_cached: dict[str, list[int]] = {}
+        self._num_dropped: dict[str, list[int]] = {}
         # Metrics: prefix cache queries and hits, in tokens (vLLM's unit).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -34,6 +57,8 @@ class KVCacheManager:
         self.tenant_blocks: dict[str, int] = {}
         self.tenant_prefix_queries: dict[str, int] = {}
         self.tenant_prefix_hits: dict[str, int] = {}
+        #: Blocks given back because they fell out of every window that reads them.
+        self.num_window_freed = 0
 
     @property
     def num_blocks(self) -> int:
@@ -42,9 +67,26 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    # ------------------------------------------------------------------ reading tables
+    def block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's tables, one per group; -1 where a block was given back."""
+        tables = self.req_blocks.get(request_id)
+        if tables is None:
+            return tuple(() for _ in self.layout.groups)
+        return tuple(tuple(-1 if b is None else b.block_id for b in t) for t in tables)
 
+    def held_blocks(self, request_id: str) -> list[KVBlock]:
+        """Every block the request references, all groups."""
+        return [b for t in self.req_blocks.get(request_id, ()) for b in t if b is not None]
+
+    def num_held(self, request_id: str) -> int:
+        return sum(1 for t in self.req_blocks.get(request_id, ()) for b in t if b is not None)
+
+    def held_counts(self) -> dict[str, int]:
+        """Blocks held by each request that holds any."""
+        return {rid: self.num_held(rid) for rid in self.req_blocks}
+
+    # ------------------------------------------------------------------ prefix cache
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
         bs = self.block_size
@@ -56,23 +98,53 @@ class KVCacheManager:
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
             hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a request that has no blocks yet: (blocks, tokens covered).
+    def _key(self, block_hash: BlockHash, group: int) -> BlockHash:
+        """The block's cache key in ``group``: groups hold different layers' KV, so the same
+        tokens are a different block in each (one group: the hash itself)."""
+        if group == 0:
+            return block_hash
+        return hashlib.sha256(block_hash + group.to_bytes(2, "little")).digest()
 
-        At least one token is always left to compute, because the step that computes it is the
-        one that produces the logits for the next token.
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
+        """Longest cached prefix of a request that has no blocks yet: (tables, tokens covered).
+
+        Every global group must hold every block of the prefix; a sliding group only those
+        the next query still reads. At least one token is always left to compute, because the
+        step that computes it is the one that produces the logits for the next token.
         """
         if not self.enable_prefix_caching:
             return [], 0
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        bs = self.block_size
+        hashes = request.block_hashes[: (request.num_tokens - 1) // bs]
+        groups = self.layout.groups
+        num = len(hashes)
+        for g, group in enumerate(groups):
+            if group.window is None:
+                for i in range(num):
+                    if self.pool.lookup(self._key(hashes[i], g)) is None:
+                        num = i
+                        break
+        # Sliding groups: the longest prefix whose last window is cached in each.
+        while num > 0 and not all(
+            self._window_cached(hashes, g, group, num)
+            for g, group in enumerate(groups)
+            if group.window is not None
+        ):
+            num -= 1
+        if num == 0:
+            return [], 0
+        hit: list[list[KVBlock | None]] = []
+        for g, group in enumerate(groups):
+            first = group.first_needed_block(num * bs, bs)
+            table: list[KVBlock | None] = [None] * first
+            table += [self.pool.lookup(self._key(hashes[i], g)) for i in range(first, num)]
+            hit.append(table)
+        return hit, num * bs
+
+    def _window_cached(self, hashes: Sequence[BlockHash], g: int, group: KVGroup, num: int) -> bool:
+        first = group.first_needed_block(num * self.block_size, self.block_size)
+        return all(self.pool.lookup(self._key(hashes[i], g)) is not None for i in range(first, num))
 
     def record_prefix_lookup(self, tenant: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not every retry while it waits for blocks)."""
@@ -82,29 +154,54 @@ class KVCacheManager:
         q[tenant] = q.get(tenant, 0) + num_tokens
         h[tenant] = h.get(tenant, 0) + num_hit_tokens
 
+    # ------------------------------------------------------------------ metrics
     def fragmentation(self, requests: Iterable[Request]) -> float:
         """Reserved but unfilled KV slots over reserved slots, over ``requests`` (running)."""
+        bs = self.block_size
         reserved = filled = 0
         for r in requests:
-            slots = len(self.req_blocks.get(r.request_id, ())) * self.block_size
-            reserved += slots
-            filled += min(r.num_computed_tokens, slots)
+            for table in self.req_blocks.get(r.request_id, ()):
+                dropped = next((i for i, b in enumerate(table) if b is not None), len(table))
+                held = (len(table) - dropped) * bs
+                reserved += held
+                filled += min(max(r.num_computed_tokens - dropped * bs, 0), held)
         return (reserved - filled) / reserved if reserved else 0.0
 
+    def num_reserved_slots(self) -> int:
+        """Token slots in blocks held by requests (for fragmentation metrics)."""
+        return sum(self.num_held(rid) for rid in self.req_blocks) * self.block_size
+
+    # ------------------------------------------------------------------ allocation
+    def _plan(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """(tokens computed once the hits count, per group (entries to skip, blocks to add))."""
+        bs = self.block_size
+        tables = self.req_blocks.get(request.request_id)
+        hit_blocks = len(hit[0]) if hit else 0
+        num_computed = request.num_computed_tokens + hit_blocks * bs
+        end = cdiv(num_computed + num_new_tokens, bs)
+        plan = []
+        for g, group in enumerate(self.layout.groups):
+            have = (len(tables[g]) if tables else 0) + hit_blocks
+            start = max(have, group.first_needed_block(num_computed, bs))
+            plan.append((start - have, max(end - start, 0)))
+        return num_computed, plan
+
     def num_blocks_to_add(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: PrefixHit = ()
     ) -> int:
         """Blocks ``request`` will hold in addition after ``allocate_slots`` with these
         arguments (prefix hits included): what its tenant's quota is checked against."""
-        held = len(self.req_blocks.get(request.request_id, ()))
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        return max(cdiv(num_computed + num_new_tokens, self.block_size) - held, 0)
+        _, plan = self._plan(request, num_new_tokens, computed_blocks)
+        hits = sum(1 for t in computed_blocks for b in t if b is not None)
+        return hits + sum(n for _, n in plan)
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: Sequence[KVBlock] = (),
+        computed_blocks: PrefixHit = (),
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
@@ -112,34 +209,43 @@ class KVCacheManager:
         time (its ``num_computed_tokens`` must already be 0). Returns False, changing nothing,
         when the pool cannot supply the blocks.
         """
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = num_needed - len(blocks) - len(computed_blocks)
+        _, plan = self._plan(request, num_new_tokens, computed_blocks)
+        num_new_blocks = sum(n for _, n in plan)
         # Hits on free cached blocks come out of the free pool too.
-        num_hits_now_free = sum(1 for b in computed_blocks if b.ref_count == 0)
+        hits = [b for t in computed_blocks for b in t if b is not None]
+        num_hits_now_free = sum(1 for b in hits if b.ref_count == 0)
         if num_new_blocks + num_hits_now_free > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_blocks[request.request_id]
             return False
-        held_before = len(blocks)
+        rid = request.request_id
+        groups = self.layout.groups
+        tables = self.req_blocks.setdefault(rid, [[] for _ in groups])
+        if rid not in self._num_cached:
+            self._num_cached[rid] = [0] * len(groups)
+            self._num_dropped[rid] = [0] * len(groups)
         if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            self._num_cached[request.request_id] = len(blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.pool.allocate(num_new_blocks))
-        if len(blocks) != held_before:
-            request.peak_kv_blocks = max(request.peak_kv_blocks, len(blocks))
+            self.pool.touch(hits)
+            for g, hit_table in enumerate(computed_blocks):
+                tables[g].extend(hit_table)
+                self._num_cached[rid][g] = len(tables[g])
+                self._num_dropped[rid][g] = sum(1 for b in hit_table if b is None)
+        for g, (skip, add) in enumerate(plan):
+            tables[g].extend([None] * skip)
+            if add:
+                tables[g].extend(self.pool.allocate(add))
+        added = len(hits) + num_new_blocks
+        if added:
+            request.peak_kv_blocks = max(request.peak_kv_blocks, self.num_held(rid))
             tb = self.tenant_blocks
-            tb[request.tenant] = tb.get(request.tenant, 0) + len(blocks) - held_before
+            tb[request.tenant] = tb.get(request.tenant, 0) + added
         return True
 
     def commit(self, request: Request) -> None:
         """The step ran: register the request's blocks now full of computed KV in the prefix
-        cache. Only here, after the KV is written: a request preempted or failed before its
-        step ran never leaves a cached block that holds no KV."""
+        cache, then give back the blocks no later query of a sliding group reads. Only here,
+        after the KV is written: a request preempted or failed before its step ran never
+        leaves a cached block that holds no KV."""
         self._cache_full_blocks(request, request.num_computed_tokens)
+        self._drop_out_of_window(request)
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         """Register blocks that are full of computed tokens."""
@@ -148,11 +254,35 @@ class KVCacheManager:
         self.update_block_hashes(request)
         rid = request.request_id
         num_full = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
-        start = self._num_cached.get(rid, 0)
-        blocks = self.req_blocks[rid]
-        for i in range(start, num_full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
-        self._num_cached[rid] = max(start, num_full)
+        for g, table in enumerate(self.req_blocks[rid]):
+            start = self._num_cached[rid][g]
+            for i in range(start, min(num_full, len(table))):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache(block, self._key(request.block_hashes[i], g))
+            self._num_cached[rid][g] = max(start, min(num_full, len(table)))
+
+    def _drop_out_of_window(self, request: Request) -> None:
+        rid = request.request_id
+        tables = self.req_blocks.get(rid)
+        if tables is None:
+            return
+        dropped = 0
+        for g, group in enumerate(self.layout.groups):
+            if group.window is None:
+                continue
+            first = group.first_needed_block(request.num_computed_tokens, self.block_size)
+            table = tables[g]
+            for i in range(self._num_dropped[rid][g], min(first, len(table))):
+                block = table[i]
+                if block is not None:
+                    self.pool.release([block])  # oldest first: evicted first
+                    table[i] = None
+                    dropped += 1
+            self._num_dropped[rid][g] = max(self._num_dropped[rid][g], min(first, len(table)))
+        if dropped:
+            self.num_window_freed += dropped
+            self._uncount(request.tenant, dropped)
 
     def free(self, request: Request) -> None:
         """Return every block of a request to the pool (finish, abort or preemption).
@@ -160,16 +290,34 @@ class KVCacheManager:
         Tail blocks are released first so that they are evicted first: the head of a prefix
         is the part most likely to be shared again.
         """
-        blocks = self.req_blocks.pop(request.request_id, None)
+        tables = self.req_blocks.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
-        if blocks:
-            self.pool.release(reversed(blocks))
-            left = self.tenant_blocks.get(request.tenant, 0) - len(blocks)
-            if left > 0:
-                self.tenant_blocks[request.tenant] = left
-            else:
-                self.tenant_blocks.pop(request.tenant, None)
+        self._num_dropped.pop(request.request_id, None)
+        if not tables:
+            return
+        longest = max(len(t) for t in tables)
+        order = [t[i] for i in reversed(range(longest)) for t in tables if i < len(t)]
+        blocks = [b for b in order if b is not None]
+        self.pool.release(blocks)
+        self._uncount(request.tenant, len(blocks))
 
-    def num_reserved_slots(self) -> int:
-        """Token slots in blocks held by requests (for fragmentation metrics)."""
-        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+    def _uncount(self, tenant: str, n: int) -> None:
+        left = self.tenant_blocks.get(tenant, 0) - n
+        if left > 0:
+            self.tenant_blocks[tenant] = left
+        else:
+            self.tenant_blocks.pop(tenant, None)
+
+    def check_windows(self, requests: Iterable[Request]) -> None:
+        """Raise AssertionError if a block some layer's window still reads was given back, or
+        a global group lost one (used by tests)."""
+        bs = self.block_size
+        for r in requests:
+            tables = self.req_blocks.get(r.request_id)
+            if tables is None:
+                continue
+            for group, table in zip(self.layout.groups, tables, strict=True):
+                first = group.first_needed_block(r.num_computed_tokens, bs)
+                computed = min(cdiv(r.num_computed_tokens, bs), len(table))
+                for i in range(first, computed):
+                    assert table[i] is not None, (r.request_id, group, i)

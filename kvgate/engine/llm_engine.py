@@ -11,7 +11,7 @@ import torch
 
 from kvgate.config import EngineConfig, available_memory_bytes, parse_memory
 from kvgate.engine.detokenizer import IncrementalDetokenizer
-from kvgate.engine.kv_cache import KVCacheManager, cdiv
+from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy
@@ -36,6 +36,7 @@ from kvgate.errors import (
 from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
+from kvgate.model.kv_layout import KVLayout
 from kvgate.model.models import model_class
 from kvgate.model.precision import resolve_dtype, upcast_attention
 from kvgate.sampling_params import SamplingParams
@@ -120,6 +121,9 @@ class LLMEngine:
         log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0
+        #: Which layers share a block table (``kv_layout.py``): one group, or Gemma 3's
+        #: global and sliding-window groups.
+        self.kv_layout = KVLayout.for_model(self.model_config)
         self.kv_pool = self._size_kv_pool()
         log.info(
             "model ready in %.1f s; allocating the KV pool: %d blocks x %d tokens = %d tokens "
@@ -131,7 +135,8 @@ class LLMEngine:
             self.kv_pool.bytes / 2**30,
         )
         kv_caches = allocate_kv_caches(
-            self.model_config,
+            self.kv_layout,
+            self.model_config.num_layers,
             self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
             self.dtype,
             self.device,
@@ -140,6 +145,7 @@ class LLMEngine:
             self.kv_pool.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            layout=self.kv_layout,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -158,7 +164,9 @@ class LLMEngine:
         #: Compiles and caches constrained requests' grammars (the server checks them with
         #: it before admitting a request; the runner makes each request's matcher from it).
         self.grammars = GrammarCompiler(self.tokenizer, sorted(eos))
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, grammars=self.grammars)
+        self.runner = ModelRunner(
+            self.model, kv_caches, config.block_size, grammars=self.grammars, layout=self.kv_layout
+        )
         self._outputs: dict[str, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
         self.num_steps = 0
@@ -185,17 +193,27 @@ class LLMEngine:
             )
         return asked
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks one request of ``num_tokens`` tokens holds at most (every group's)."""
+        return self.kv_layout.max_blocks(
+            num_tokens, self.config.block_size, self.config.max_num_batched_tokens
+        )
+
     def _size_kv_pool(self) -> KVPoolInfo:
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[0]
         else:
             total = available_memory_bytes()
         budget = parse_memory(self.config.kv_cache_memory, total)
-        bytes_per_block = self.config.block_size * self.model_config.kv_bytes_per_token(
-            self.dtype.itemsize
-        )
+        # A block is a page of K and V for ``slots`` layers (every layer, with one group).
+        c = self.model_config
+        bytes_per_block = (
+            self.config.block_size * 2 * self.kv_layout.slots * c.num_kv_heads * c.head_dim
+        ) * self.dtype.itemsize
         num_blocks = budget // bytes_per_block
-        needed = cdiv(self.max_model_len, self.config.block_size)
+        needed = self.kv_layout.max_blocks(
+            self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens
+        )
         if num_blocks < needed:
             raise KVCacheTooSmall(
                 f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "
@@ -363,11 +381,10 @@ class LLMEngine:
         self.ledger.record(stats, self.kv_cache.tenant_blocks)
         # Each request's KV block-seconds, for its usage record (the blocks it held over
         # this step, whether it ran or waited preempted with blocks).
-        held = self.kv_cache.req_blocks
-        for rid, blocks in held.items():
+        for rid, num_blocks in self.kv_cache.held_counts().items():
             request = self.scheduler.requests.get(rid)
             if request is not None:
-                request.kv_block_seconds += len(blocks) * stats.step_seconds
+                request.kv_block_seconds += num_blocks * stats.step_seconds
         for listener in self.listeners:
             listener.on_step(stats)
         return outputs

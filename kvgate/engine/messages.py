@@ -24,16 +24,22 @@ class NewRequestData:
 class ScheduledSequence:
     """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``.
 
-    ``block_ids`` is the request's whole block table after allocation. ``sample`` is True when
-    this step reaches the end of the known tokens, so its last logits give the next token;
-    a prefill chunk that stops short of the end samples nothing.
+    ``tables`` are the request's block tables after allocation, one per KV group
+    (``KVLayout``), -1 where a sliding group gave a block back. ``sample`` is True when this
+    step reaches the end of the known tokens, so its last logits give the next token; a
+    prefill chunk that stops short of the end samples nothing.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     start_pos: int
-    block_ids: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
     sample: bool
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The first group's table (the only one of a model without sliding layers)."""
+        return self.tables[0]
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from kvgate.engine.messages import RunnerOutput, ScheduledSequence, SchedulerOutput
 from kvgate.engine.sampler import Sampler, SamplingState
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
-from kvgate.model.config import ModelConfig
+from kvgate.model.kv_layout import KVGroup, KVLayout
 from kvgate.model.llama import LlamaModel
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
@@ -24,19 +24,23 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def allocate_kv_caches(
-    config: ModelConfig,
+    layout: KVLayout,
+    num_layers: int,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCaches:
-    """One (K, V) pair per layer, each of the attention backend's cache ``shape``."""
-    return [
+    """One (K, V) pair per layer, each of the attention backend's cache ``shape``: a pair per
+    slot of the layout, shared by the layers of every group in that slot (a block belongs
+    to one group at a time)."""
+    slots = [
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
-        for _ in range(config.num_layers)
+        for _ in range(layout.slots)
     ]
+    return [slots[slot] for _, slot in layout.layer_slots(num_layers)]
 
 
 @dataclass
@@ -56,7 +60,9 @@ class _RequestState:
 class FlatBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    #: Per layer: its group's view of the step (slots, block tables from the first block
+    #: its window reads).
+    meta: tuple[AttentionMetadata, ...]
     sample_rows: torch.Tensor  # [S] row of the last token of each sampling sequence
     sample_ids: tuple[str, ...]  # request id of each sampling row, in order
 
@@ -69,9 +75,14 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler | None = None,
         grammars: GrammarCompiler | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
-        """``grammars``: compiles constrained requests' grammars (None: none may come)."""
+        """``grammars``: compiles constrained requests' grammars (None: none may come);
+        ``layout``: the KV groups (None: one group of every layer)."""
         self.model = model
+        n = model.config.num_layers
+        self.layout = layout or KVLayout((KVGroup(tuple(range(n)), None),), n)
+        self._layer_group = [g for g, _ in self.layout.layer_slots(n)]
         self.grammars = grammars
         self._masks: MaskBuilder | None = None
         self.kv_caches = kv_caches
@@ -162,61 +173,80 @@ class ModelRunner:
 
     def build_batch(self, sequences: tuple[ScheduledSequence, ...]) -> FlatBatch:
         """Decodes first (one row each, batched attention), then prefill chunks."""
-        bs = self.block_size
         decodes = [s for s in sequences if s.num_tokens == 1]
         prefills = [s for s in sequences if s.num_tokens > 1]
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         for seq in decodes + prefills:
-            table = seq.block_ids
-            for offset, token in enumerate(seq.token_ids):
-                pos = seq.start_pos + offset
-                input_ids.append(token)
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+            input_ids += seq.token_ids
+            positions += range(seq.start_pos, seq.context_len)
             if seq.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(seq.request_id)
-
         dev = self.device
+        metas = [
+            self._group_meta(g, group, decodes, prefills)
+            for g, group in enumerate(self.layout.groups)
+        ]
+        return FlatBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=tuple(metas[g] for g in self._layer_group),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_ids=tuple(sample_ids),
+        )
+
+    def _group_meta(
+        self,
+        g: int,
+        group: KVGroup,
+        decodes: list[ScheduledSequence],
+        prefills: list[ScheduledSequence],
+    ) -> AttentionMetadata:
+        """One group's view of the step: where each token's K/V goes, and the blocks each
+        sequence reads (from the first one its window reaches)."""
+        bs, dev = self.block_size, self.device
+        slots: list[int] = []
+        for seq in decodes + prefills:
+            table = seq.tables[g]
+            for pos in range(seq.start_pos, seq.context_len):
+                block = table[pos // bs]
+                assert block >= 0, (seq.request_id, g, pos)  # written blocks are held
+                slots.append(block * bs + pos % bs)
         num_dec = len(decodes)
+        starts = [group.first_needed_block(s.start_pos, bs) for s in decodes]
         if num_dec:
-            max_blocks = max(-(-s.context_len // bs) for s in decodes)
+            ends = [-(-s.context_len // bs) for s in decodes]
+            max_blocks = max(e - f for e, f in zip(ends, starts, strict=True))
             flat_tables: list[int] = []
-            for s in decodes:
-                table = s.block_ids[:max_blocks]
-                flat_tables += table
-                flat_tables += [0] * (
-                    max_blocks - len(table)
-                )  # padding, past decode_lens: never read
+            for s, first in zip(decodes, starts, strict=True):
+                table = s.tables[g][first : -(-s.context_len // bs)]
+                # Padding past decode_lens: never read.
+                flat_tables += table + (0,) * (max_blocks - len(table))
             decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
             lens = torch.tensor([s.context_len for s in decodes], dtype=torch.int64, device=dev)
         else:
             decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
             lens = torch.empty((0,), dtype=torch.int64, device=dev)
-
         slices: list[PrefillSlice] = []
         row = num_dec
         for seq in prefills:
-            num_blocks = -(-seq.context_len // bs)
-            seq_table = torch.tensor(seq.block_ids[:num_blocks], dtype=torch.int64, device=dev)
-            slices.append(PrefillSlice(row, row + seq.num_tokens, seq.start_pos, seq_table))
+            first = group.first_needed_block(seq.start_pos, bs)
+            table = seq.tables[g][first : -(-seq.context_len // bs)]
+            seq_table = torch.tensor(table, dtype=torch.int64, device=dev)
+            slices.append(
+                PrefillSlice(row, row + seq.num_tokens, seq.start_pos, seq_table, first * bs)
+            )
             row += seq.num_tokens
-
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=num_dec,
             decode_blocks=decode_blocks,
             decode_lens=lens,
             prefills=tuple(slices),
-        )
-        return FlatBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            sample_ids=tuple(sample_ids),
+            decode_kv_start=torch.tensor([f * bs for f in starts], dtype=torch.int64, device=dev)
+            if any(starts)
+            else None,
         )

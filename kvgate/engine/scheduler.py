@@ -380,7 +380,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
             start_pos=start,
-            block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
+            tables=self.kv_cache.block_ids(request.request_id),
             sample=end == request.num_tokens,
         )
 

@@ -87,11 +87,18 @@ class TenantGate:
     """Per-tenant admission state. ``block_size`` and ``num_blocks`` size the KV ceiling."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, clock: Callable[[], float] = time.monotonic
+        self,
+        num_blocks: int,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        blocks_for: Callable[[int], int] | None = None,
     ) -> None:
+        """``blocks_for``: the KV blocks one request of n tokens holds at most (the engine's
+        ``KVLayout.max_blocks``); None: n / block_size, rounded up."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.clock = clock
+        self.blocks_for = blocks_for or (lambda n: -(-n // block_size))
         self._state: dict[str, _TenantState] = {}
 
     def in_flight(self, tenant: str) -> int:
@@ -147,8 +154,19 @@ class TenantGate:
             caps.append(spec.tokens_per_minute)
         ceiling = spec.share(self.num_blocks).ceiling_blocks
         if ceiling is not None:
-            caps.append(ceiling * self.block_size)
+            caps.append(self._tokens_within(ceiling))
         return min(caps) - prompt_tokens if caps else None
+
+    def _tokens_within(self, num_blocks: int) -> int:
+        """The most tokens one request may have and hold at most ``num_blocks`` blocks."""
+        lo, hi = 0, num_blocks * self.block_size  # blocks_for(n) >= n / block_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def check_queue_share(
         self, spec: TenantSpec, n: int, capacity: int, weight_of: Callable[[str], float]
@@ -210,7 +228,7 @@ class TenantGate:
         if spec.max_context is not None and total > spec.max_context:
             raise PromptTooLong(prompt_tokens, max_tokens, spec.max_context)
         share = spec.share(self.num_blocks)
-        blocks = -(-total // self.block_size)
+        blocks = self.blocks_for(total)
         if share.ceiling_blocks is not None and blocks > share.ceiling_blocks:
             raise TenantLimitExceeded(
                 f"the request needs {blocks} KV blocks ({total} tokens) but tenant "

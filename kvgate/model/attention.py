@@ -37,7 +37,8 @@ class PrefillSlice:
     token_start: int  # row of its first token in the flat batch
     token_end: int
     start_pos: int  # tokens of KV already in the cache before this step
-    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    block_table: torch.Tensor  # [num_blocks read] int64, from the first its window reaches
+    kv_start: int = 0  # position of the first token of ``block_table``'s first block
 
     @property
     def context_len(self) -> int:
@@ -57,6 +58,9 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor  # [num_decodes * max_blocks] int64, block tables, 0-padded
     decode_lens: torch.Tensor  # [num_decodes] int64, context length of each decode
     prefills: tuple[PrefillSlice, ...]
+    #: [num_decodes] int64: position of the first token of each decode's first block in
+    #: ``decode_blocks`` (sliding-window layers read from the window's first block); None: 0.
+    decode_kv_start: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -192,10 +196,12 @@ class TorchAttention:
         keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
         values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, d)
         # Padding past each sequence's length: bias [1, B, 1, L], 0 to attend, -inf to hide.
-        span = torch.arange(keys.shape[2], device=q.device)
-        hidden = span[None, :] >= meta.decode_lens[:, None]
+        span = torch.arange(keys.shape[2], device=q.device)[None, :]
+        if meta.decode_kv_start is not None:
+            span = span + meta.decode_kv_start[:, None]  # [B, L]: each key's position
+        hidden = span >= meta.decode_lens[:, None]
         if window is not None:  # the query sits at len - 1 and sees positions > len - 1 - window
-            hidden |= span[None, :] < (meta.decode_lens - window)[:, None]
+            hidden |= span < (meta.decode_lens - window)[:, None]
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device)
         bias = bias.masked_fill_(hidden, float("-inf")).view(1, b, 1, -1)
         # GQA without repeating K/V: the query heads sharing a KV head are that head's
@@ -260,11 +266,12 @@ class TorchAttention:
         if p.start_pos == 0:
             ks = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, Lq, D]
             vs = v[p.token_start : p.token_end].transpose(0, 1)
-        else:
-            ks = self._gather(k_cache, p.block_table)[:, : p.context_len]  # [Hkv, ctx, D]
-            vs = self._gather(v_cache, p.block_table)[:, : p.context_len]
+        else:  # keys from the first block the window reaches: positions kv_start ..
+            n = p.context_len - p.kv_start
+            ks = self._gather(k_cache, p.block_table)[:, :n]  # [Hkv, n, D]
+            vs = self._gather(v_cache, p.block_table)[:, :n]
         q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)[:, None]
-        k_pos = torch.arange(p.context_len, device=q.device)[None, :]
+        k_pos = torch.arange(p.kv_start, p.context_len, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
         o = self._sdpa(qs, ks.unsqueeze(0), vs.unsqueeze(0), mask, False)
         return o.squeeze(0).transpose(0, 1)

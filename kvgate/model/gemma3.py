@@ -11,14 +11,14 @@ Shapes as in ``llama.py``: T tokens, H hidden, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kvgate.model.attention import AttentionMetadata
 from kvgate.model.cpu_kernels import KernelLibrary
-from kvgate.model.llama import LayerWeights, LlamaModel
+from kvgate.model.llama import LayerWeights, LlamaModel, per_layer
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
@@ -68,9 +68,12 @@ class Gemma3Model(LlamaModel):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H]
+        """As ``LlamaModel.forward``; a sliding layer's ``meta`` names only the blocks its
+        window reaches."""
+        metas = per_layer(meta, len(self.layers))
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
         tables = (self.rope.tables(positions), self.rope_local.tables(positions))
         x = F.embedding(input_ids, self.embed) * self.embed_scale  # [T, H]
@@ -85,8 +88,8 @@ class Gemma3Model(LlamaModel):
             q = apply_rotary(self._rms(q.reshape(t, hq, d), layer.q_norm), cos, sin)
             k = apply_rotary(self._rms(k.reshape(t, hkv, d), layer.k_norm), cos, sin)
             v = v.reshape(t, hkv, d)
-            self.attention.write_kv(k, v, k_cache, v_cache, meta)
-            attn = self.attention.attend(q, k, v, k_cache, v_cache, meta, window)  # [T, Hq, D]
+            self.attention.write_kv(k, v, k_cache, v_cache, metas[i])
+            attn = self.attention.attend(q, k, v, k_cache, v_cache, metas[i], window)
             x = x + self._rms(layer.o(attn.reshape(t, hq * d)), layer.post_norm)
             assert layer.pre_ffn_norm is not None and layer.post_ffn_norm is not None
             gate, up = layer.gate_up(self._rms(x, layer.pre_ffn_norm)).chunk(2, dim=-1)

@@ -8,7 +8,7 @@ Hq / Hkv = query / KV heads, D = head dim, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,16 @@ from kvgate.model.linear import Linear, LinearFactory
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
+
+
+def per_layer(
+    meta: AttentionMetadata | Sequence[AttentionMetadata], num_layers: int
+) -> Sequence[AttentionMetadata]:
+    if isinstance(meta, AttentionMetadata):
+        return [meta] * num_layers
+    if len(meta) != num_layers:
+        raise ValueError(f"{len(meta)} attention descriptions for {num_layers} layers")
+    return meta
 
 
 @dataclass
@@ -205,14 +215,17 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H]
         """One step over the flat batch; returns final-normed hidden states.
 
+        ``meta``: the step's attention description, or one per layer (``KVLayout`` groups).
         ``between_layers`` is called after every layer but the last: the engine may run a
         whole other step there (for other sequences) and this one then carries on.
         """
+        metas = per_layer(meta, len(self.layers))
+        meta = metas[0]  # every layer's: Llama-family layers attend to the whole context
         eps = self.config.rms_norm_eps
         ops = self.ops
         residual = F.embedding(input_ids, self.embed)  # [T, H]; updated in place below

@@ -96,7 +96,13 @@ def _load(
         return
     engine.on_dead = on_engine_dead
     pool = engine.engine.kv_pool
-    state.governance.attach(pool.num_blocks, pool.block_size, policy, engine.call_in_engine)
+    state.governance.attach(
+        pool.num_blocks,
+        pool.block_size,
+        policy,
+        engine.call_in_engine,
+        blocks_for=engine.engine.blocks_for,
+    )
     door = Door(
         state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
     )

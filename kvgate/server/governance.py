@@ -75,10 +75,12 @@ class Governance:
         block_size: int,
         policy: TenantFairPolicy | None,
         run_in_engine: Callable[[Callable[[], None]], None],
+        blocks_for: Callable[[int], int] | None = None,
     ) -> None:
-        """The engine is ready: size quotas against its pool and hand the policy its shares."""
+        """The engine is ready: size quotas against its pool and hand the policy its shares.
+        ``blocks_for``: see ``TenantGate``."""
         self.num_blocks = num_blocks
-        self.gate = TenantGate(num_blocks, block_size)
+        self.gate = TenantGate(num_blocks, block_size, blocks_for=blocks_for)
         self.policy = policy
         self._apply_policy = run_in_engine
         self._push_shares(self.tenants)

@@ -150,8 +150,8 @@ def _check_ownership(sched: Scheduler) -> None:
     pool = sched.kv_cache.pool
     pool.check_invariants()
     holders: dict[int, int] = {}
-    for blocks in sched.kv_cache.req_blocks.values():
-        ids = [b.block_id for b in blocks]
+    for rid in sched.kv_cache.req_blocks:
+        ids = [b.block_id for b in sched.kv_cache.held_blocks(rid)]
         assert len(ids) == len(set(ids))
         for i in ids:
             holders[i] = holders.get(i, 0) + 1

@@ -177,10 +177,15 @@ def test_prefix_cache_hits_keep_the_window(tiny_gemma3: dict[str, Any]) -> None:
 
 
 def test_the_window_is_what_makes_the_match(tiny_gemma3: dict[str, Any]) -> None:
-    """The same run with every layer global differs: the tests above can fail."""
-    llm = LLM(str(tiny_gemma3["hf"]), dtype="float32", kv_cache_memory="64MiB")
-    llm.engine.model.windows = [None] * LAYERS  # type: ignore[attr-defined]
-    got = _greedy(llm, tiny_gemma3["prompts"])
+    """The same weights with every layer global continue differently: the tests above
+    would fail if the window were ignored."""
+    from transformers import Gemma3ForCausalLM
+
+    config = _hf_config()
+    config.layer_types = ["full_attention"] * LAYERS
+    everywhere = Gemma3ForCausalLM(config).eval()
+    everywhere.load_state_dict(tiny_gemma3["model"].state_dict())
+    got = hf_greedy(everywhere, tiny_gemma3["prompts"], max_new_tokens=NEW_TOKENS)
     assert sum(g != e for g, e in zip(got, tiny_gemma3["expected"], strict=True)) >= 4
 
 
@@ -213,3 +218,33 @@ def test_hf_gemma3_with_soft_capped_attention_is_refused(
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="attn_logit_softcapping"):
         load_checkpoint(directory)
+
+
+def test_a_4x_window_generation_frees_sliding_blocks_and_still_matches(
+    tiny_gemma3: dict[str, Any],
+) -> None:
+    """Generating 4x the window: the sliding groups' blocks stay bounded while the global
+    group's grow, freed blocks are never read again (the tokens match HF), and the pool is
+    whole afterwards."""
+    prompt = tiny_gemma3["prompts"][1]  # 20 tokens
+    new = 4 * WINDOW
+    expected = hf_greedy(tiny_gemma3["model"], [prompt], max_new_tokens=new)[0]
+    llm = LLM(str(tiny_gemma3["hf"]), dtype="float32", kv_cache_memory="64MiB")
+    engine = llm.engine
+    layout = engine.kv_layout
+    assert [g.window for g in layout.groups] == [None, WINDOW, WINDOW] and layout.slots == 2
+    engine.add(engine.make_request("long", prompt, SamplingParams(max_tokens=new, temperature=0)))
+    peaks = [0] * layout.num_groups
+    while engine.has_unfinished():
+        engine.step()
+        for g, table in enumerate(engine.kv_cache.req_blocks.get("long", [])):
+            peaks[g] = max(peaks[g], sum(1 for b in table if b is not None))
+    request = engine.scheduler.requests.get("long")
+    assert request is None  # ended and released
+    bs = engine.config.block_size
+    assert peaks[0] == -(-(len(prompt) + new - 1) // bs)
+    assert max(peaks[1:]) <= -(-(WINDOW - 1 + len(prompt)) // bs) + 1
+    assert engine.kv_cache.num_window_freed > 0
+    assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.pool.num_blocks
+    out = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0))[0]
+    assert list(out.token_ids) == expected
