@@ -11,6 +11,7 @@ must read every weight once, so tokens/s <= copy bandwidth / weight bytes.
     python bench/throughput.py                 # 1, 8, 32, 64 sequences, --dtype auto
     python bench/throughput.py --concurrency 32 --dtype float32
     python bench/throughput.py --concurrency 1 32 --quantization int8
+    python bench/throughput.py --model gemma3-270m --concurrency 1 8 32
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from kvgate.model.registry import DEFAULT_MODEL
 CACHE = Path.home() / ".cache" / "kvgate" / "bench"
 
 
-def export_for_peers(dtype: str) -> Path:
-    """SmolLM2 (dequantized from the packaged GGUF) as an HF directory, cached outside the repo."""
-    target = CACHE / f"smollm2-hf-{dtype}"
+def export_for_peers(dtype: str, model: str = DEFAULT_MODEL) -> Path:
+    """A model (dequantized from its packaged GGUF) as an HF directory, cached outside the
+    repo."""
+    target = CACHE / f"{model}-hf-{dtype}"
     if not (target / "model.safetensors").exists():
-        save_hf_checkpoint(load_checkpoint(DEFAULT_MODEL), target, getattr(torch, dtype))
+        save_hf_checkpoint(load_checkpoint(model), target, getattr(torch, dtype))
     return target
 
 
@@ -107,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a shipped model: smollm2, gemma3-270m")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument(
@@ -137,6 +140,7 @@ def main() -> None:
     print(cpu_isa.describe_cpu())
     copy_bw, read_bw = measure_bandwidth()
     llm = LLM(
+        a.model,
         dtype=a.dtype,
         quantization=a.quantization,
         kv_cache_memory="2GiB",
@@ -157,19 +161,20 @@ def main() -> None:
 
     hf = None
     if not a.no_hf:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         # The exact weights kvgate serves, as a plain HF checkpoint: transformers' own GGUF
         # path keeps weights packed and computes in fp32, which would be an unfair peer.
-        hf_dir = export_for_peers(dtype)
-        hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+        hf_dir = export_for_peers(dtype, a.model)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
         print(f"transformers in {dtype}")
 
+    pad = llm.engine.tokenizer.eos_token_ids[0]
     # Warm-up both sides (allocator, oneDNN kernel selection).
     wp, wo = workload(4, 0, (16, 32), (8, 8))
     run_kvgate(llm, wp, wo)
     if hf is not None:
-        run_hf(hf, wp, wo, pad_id=2)
+        run_hf(hf, wp, wo, pad_id=pad)
 
     # Batch-1 decode: a short prompt, then decode_tokens tokens; the prompt's share is small.
     decode_runs = [run_kvgate(llm, [[100 + i] * 8], [a.decode_tokens]) for i in range(3)]
@@ -187,7 +192,7 @@ def main() -> None:
             llm.engine.kv_cache.pool.reset_prefix_cache()  # no help from the previous repeat
             ours_runs.append(run_kvgate(llm, prompts, outs))
             if hf is not None:
-                theirs_runs.append(run_hf(hf, prompts, outs, pad_id=2))
+                theirs_runs.append(run_hf(hf, prompts, outs, pad_id=pad))
         ours = statistics.median(ours_runs)
         theirs = statistics.median(theirs_runs) if theirs_runs else float("nan")
         rows.append(

@@ -23,6 +23,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request
+from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded, RequestFailed
 from kvgate.sampling_params import SamplingParams
@@ -195,6 +196,10 @@ class AsyncLLM:
                     stream.abandoned = True  # dropped when the engine confirms the abort
             if not finished:
                 self.abort(rid)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's latest published state (``snapshot.py``): what other threads read."""
+        return self.engine.snapshot
 
     def call_in_engine(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread between two steps (e.g. to swap policy settings)."""

@@ -67,6 +67,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         # Counters for metrics: evictions of cached blocks to make room.
         self.num_evictions = 0
+        self._num_free_cached = 0  # free blocks holding a hash, kept as they move
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,8 +84,8 @@ class BlockPool:
         return len(self.cached)
 
     def num_free_cached_blocks(self) -> int:
-        """Free blocks that still hold a reusable prefix (O(free blocks): for metrics only)."""
-        return sum(1 for b in list(self._free.values()) if b.block_hash is not None)
+        """Free blocks that still hold a reusable prefix."""
+        return self._num_free_cached
 
     def usage(self) -> float:
         """Fraction of blocks referenced by a request (cached-but-free blocks count as free)."""
@@ -98,6 +99,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                self._num_free_cached -= 1
                 self._uncache(block)
                 self.num_evictions += 1
             block.ref_count = 1
@@ -112,6 +114,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 del self._free[block.block_id]
+                self._num_free_cached -= block.block_hash is not None
             block.ref_count += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -122,6 +125,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                self._num_free_cached += block.block_hash is not None
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a block whose KV now holds a full, hashed block of tokens."""
@@ -133,6 +137,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self._num_free_cached += block.ref_count == 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix held by free blocks; returns how many were dropped."""
@@ -141,6 +146,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._uncache(block)
                 dropped += 1
+        self._num_free_cached -= dropped
         return dropped
 
     def _uncache(self, block: KVBlock) -> None:
@@ -158,3 +164,5 @@ class BlockPool:
                 assert self.cached.get(block.block_hash) is block, block
         for h, block in self.cached.items():
             assert block.block_hash == h, block
+        free_cached = sum(1 for b in self._free.values() if b.block_hash is not None)
+        assert self._num_free_cached == free_cached, (self._num_free_cached, free_cached)

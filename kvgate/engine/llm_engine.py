@@ -18,6 +18,7 @@ from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import (
     FinishedRequestStats,
     IterationStats,
@@ -179,6 +180,8 @@ class LLMEngine:
         self.num_recoveries = 0
         self._in_step = False
         self._urgent_ran = False
+        #: What other threads read of the engine: replaced whole, never changed in place.
+        self.snapshot = EngineSnapshot.capture(self)
 
     # ------------------------------------------------------------------ set-up helpers
     def _resolve_max_model_len(self) -> int:
@@ -284,6 +287,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self._outputs[request.request_id] = _OutputState(detok)
+        self.publish()
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
@@ -296,6 +300,7 @@ class LLMEngine:
         """End requests at once; their blocks are free before this returns."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._aborted.append(self._final_output(request))
+        self.publish()
 
     def recover(self, exc: BaseException) -> list[Request]:
         """After an unexpected error in a step: end every request (their blocks freed, no
@@ -309,7 +314,13 @@ class LLMEngine:
         self._outputs.clear()
         self._aborted.clear()
         self.kv_cache.pool.reset_prefix_cache()
+        self.publish()
         return ended
+
+    def publish(self) -> None:
+        """Take and publish the snapshot other threads read (``snapshot.py``); on the engine
+        thread, after every change they should see."""
+        self.snapshot = EngineSnapshot.capture(self)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
@@ -385,6 +396,7 @@ class LLMEngine:
             request = self.scheduler.requests.get(rid)
             if request is not None:
                 request.kv_block_seconds += num_blocks * stats.step_seconds
+        self.publish()
         for listener in self.listeners:
             listener.on_step(stats)
         return outputs

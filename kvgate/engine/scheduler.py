@@ -82,6 +82,9 @@ class Scheduler:
         #: ceiling), "slot" (max_num_seqs and the spare slots taken, for a request of a
         #: higher class or one taking back its guarantee).
         self.preemptions_by_reason: dict[str, int] = {}
+        #: Requests ever added, and ever ended (finished, aborted, refused, expired).
+        self.num_added = 0
+        self.num_finished = 0
 
     @property
     def waiting(self) -> SchedulingPolicy:
@@ -98,6 +101,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
         self.policy.add(request)
+        self.num_added += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests at once (abort, stop string, deadline): blocks go back immediately."""
@@ -135,6 +139,7 @@ class Scheduler:
         return ended + self.finish_requests(late, RequestStatus.FINISHED_DEADLINE)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
+        self.num_finished += 1
         self.spare.discard(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()

@@ -28,6 +28,7 @@ from prometheus_client.process_collector import ProcessCollector
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import SchedulingPolicy, TenantFairPolicy, TenantShare
+from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import EngineDead, InvalidRequest, KVGateError
 from kvgate.governance.tenants import TenantsConfig, parse_key
@@ -76,6 +77,10 @@ class ServerState:
     @property
     def engine(self) -> LLMEngine | None:
         return self.serving.engine.engine if self.serving is not None else None
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """The engine's latest published state; None until it is loaded."""
+        return self.serving.engine.snapshot() if self.serving is not None else None
 
 
 def _load(
@@ -221,8 +226,8 @@ def build_app(
     """The app; ``tracer_provider`` turns on request traces (see ``server/tracing.py``)."""
     tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
     state = ServerState(config, _governance(config), _usage_ledger(config), tracing)
-    state.registry.register(EngineCollector(lambda: state.engine, config.served_model_name))
-    state.registry.register(TenantCollector(lambda: state.engine, state.governance))
+    state.registry.register(EngineCollector(state.snapshot, config.served_model_name))
+    state.registry.register(TenantCollector(state.snapshot, state.governance))
     ProcessCollector(registry=state.registry)
     listener = PrometheusStatsListener(state.registry, config.served_model_name)
     recent = RecentLatencies()
@@ -267,7 +272,7 @@ def build_app(
     @app.get("/health")
     def health() -> Response:
         if state.serving is not None and state.serving.engine.is_running:
-            restarts = state.serving.engine.engine.num_recoveries
+            restarts = state.serving.engine.snapshot().recoveries
             return JSONResponse({"status": "ok", "engine_restarts": restarts})
         status = "loading" if state.load_error is None and state.serving is None else "unhealthy"
         return JSONResponse({"status": status}, status_code=503)

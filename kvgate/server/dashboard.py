@@ -72,27 +72,25 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
     @app.get("/dashboard/data")
     def data(request: Request) -> dict[str, Any]:
         state = request.app.state.kvgate
-        engine = state.engine
+        snap = state.snapshot()  # the engine's latest published state, one moment
         # Tenants' names and use only for a metrics or admin key (or an open server).
         observer = state.governance.tenants.may_observe(request.headers.get("authorization"))
         out: dict[str, Any] = {
             "model": state.config.served_model_name,
-            "ready": engine is not None,
+            "ready": snap is not None,
             "tenants_hidden": not observer,
         }
-        if engine is None:
+        if snap is None:
             return out
-        pool, sched = engine.kv_cache.pool, engine.scheduler
-        cached = pool.num_free_cached_blocks()
         out.update(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
+            running=snap.running,
+            waiting=snap.waiting,
             kv={
-                "blocks": pool.num_blocks,
-                "used": pool.num_used_blocks,
-                "cached": cached,
-                "free": pool.num_free_blocks - cached,
-                "usage": round(pool.num_used_blocks / pool.num_blocks, 4),
+                "blocks": snap.kv_blocks,
+                "used": snap.kv_used,
+                "cached": snap.kv_cached,
+                "free": snap.kv_free,
+                "usage": round(snap.kv_usage, 4),
             },
             tenants=[]
             if not observer
@@ -105,7 +103,7 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
                     "waiting": row["waiting"],
                     "priority": row["priority"],
                 }
-                for name, row in state.governance.report(engine).items()
+                for name, row in state.governance.report(snap).items()
             ],
             latency=recent.summary(),
         )

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.request import Request
+from kvgate.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvgate.errors import InvalidConfig, KVGateError
 from kvgate.governance.admission import TenantGate, Ticket
 from kvgate.governance.tenants import TenantsConfig, TenantSpec
@@ -150,55 +150,37 @@ class Governance:
         log.info("tenants reloaded from %s: %s", self.tenants_file, ", ".join(sorted(new.tenants)))
         return new
 
-    def report(self, engine: LLMEngine | None) -> dict[str, dict[str, Any]]:
-        """Per-tenant accounting and quota use (for /admin/tenants and /metrics).
-
-        Read from the server thread while the engine runs: each figure is a plain read of a
-        counter the engine thread updates, so a report is a near-instant snapshot.
-        """
+    def report(self, snapshot: EngineSnapshot | None) -> dict[str, dict[str, Any]]:
+        """Per-tenant accounting and quota use (for /admin/tenants and /metrics), from the
+        engine's latest snapshot (None: no engine yet) and this server's refusals."""
         tenants = self.tenants
         refusal_items = list(self.refusals.items())  # a copy: the event loop adds to it
         names = set(tenants.tenants) | {t for (t, _), _ in refusal_items}
-        blocks: dict[str, int] = {}
-        running: Counter[str] = Counter()
-        waiting: Counter[str] = Counter()
-        ledger = None
-        prefix_queries: dict[str, int] = {}
-        prefix_hits: dict[str, int] = {}
-        if engine is not None:
-            prefix_queries = dict(engine.kv_cache.tenant_prefix_queries)
-            prefix_hits = dict(engine.kv_cache.tenant_prefix_hits)
-            ledger = engine.ledger
-            blocks = dict(engine.kv_cache.tenant_blocks)
-            running.update(r.tenant for r in list(engine.scheduler.running))
-            waiting.update(r.tenant for r in list(engine.scheduler.waiting))
-            names |= set(blocks) | set(ledger.prompt_tokens) | set(running) | set(waiting)
+        engine_rows = snapshot.tenants if snapshot is not None else {}
+        names |= set(engine_rows)
         out: dict[str, dict[str, Any]] = {}
         for name in sorted(names):
             spec = tenants.spec(name)
             share = spec.share(self.num_blocks)
-            refusals = {r: n for (t, r), n in refusal_items if t == name}
-            finished = (
-                {r: n for (t, r), n in list(ledger.finished.items()) if t == name} if ledger else {}
-            )
+            row = engine_rows.get(name) or TenantSnapshot()
             out[name] = {
                 "priority": spec.priority,
                 "weight": spec.weight,
-                "kv_blocks_held": blocks.get(name, 0),
+                "kv_blocks_held": row.kv_blocks,
                 "kv_guaranteed_blocks": share.guaranteed_blocks,
                 "kv_ceiling_blocks": (
                     share.ceiling_blocks if share.ceiling_blocks is not None else self.num_blocks
                 ),
-                "running": running[name],
-                "waiting": waiting[name],
+                "running": row.running,
+                "waiting": row.waiting,
                 "in_flight": self.gate.in_flight(name) if self.gate is not None else 0,
-                "prompt_tokens": ledger.prompt_tokens[name] if ledger else 0,
-                "generation_tokens": ledger.generation_tokens[name] if ledger else 0,
-                "kv_block_seconds": round(ledger.block_seconds.get(name, 0.0), 3) if ledger else 0,
-                "prefix_cache_queries": prefix_queries.get(name, 0),
-                "prefix_cache_hits": prefix_hits.get(name, 0),
-                "finished": finished,
-                "refusals": refusals,
+                "prompt_tokens": row.prompt_tokens,
+                "generation_tokens": row.generation_tokens,
+                "kv_block_seconds": round(row.kv_block_seconds, 3),
+                "prefix_cache_queries": row.prefix_queries,
+                "prefix_cache_hits": row.prefix_hits,
+                "finished": dict(row.finished),
+                "refusals": {r: n for (t, r), n in refusal_items if t == name},
             }
         return out
 

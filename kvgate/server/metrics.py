@@ -1,9 +1,10 @@
 """Prometheus metrics under vLLM's names, so existing dashboards and autoscalers read them.
 
 Two sources, one registry per app (no process-global registry):
-- ``EngineCollector`` reads live state at scrape time (running / waiting requests, KV usage,
-  prefix-cache and preemption counters), so a scrape right after a burst of aborts already
-  shows the pool back at its baseline, without waiting for another engine step;
+- ``EngineCollector`` reads the engine's latest snapshot at scrape time (running / waiting
+  requests, KV usage, prefix-cache and preemption counters: ``engine/snapshot.py``), taken
+  after every step, add and abort, so a scrape right after a burst of aborts already shows
+  the pool back at its baseline, and never a state torn between two moments;
 - ``PrometheusStatsListener`` turns each step's ``IterationStats`` into histograms (TTFT,
   inter-token latency, end-to-end, queue, prefill, decode) and token counters.
 """
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import IterationStats
 from kvgate.governance.tenants import PRIORITIES
 from kvgate.server.governance import Governance
@@ -36,19 +37,17 @@ LABELS = ("model_name",)
 
 
 class EngineCollector(Collector):
-    """Live engine state; yields nothing until the engine exists."""
+    """The engine's latest snapshot; yields nothing until the engine exists."""
 
-    def __init__(self, engine: Callable[[], LLMEngine | None], model_name: str) -> None:
-        self._engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot | None], model_name: str) -> None:
+        self._snapshot = snapshot
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine()
-        if engine is None:
+        snap = self._snapshot()  # one moment: every figure below comes from it
+        if snap is None:
             return
         labels = [self._model_name]
-        sched, kv = engine.scheduler, engine.kv_cache
-        pool = kv.pool
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -64,43 +63,54 @@ class EngineCollector(Collector):
             "kvgate:build_info",
             "What this server runs, always 1: the CPU ISA level the native kernels were built "
             "for, the compute dtype, and each op's kernel path (or torch).",
-            labels=[*LABELS, *engine.build_info],
+            labels=[*LABELS, *snap.build_info],
         )
-        info.add_metric([*labels, *engine.build_info.values()], 1)
+        info.add_metric([*labels, *snap.build_info.values()], 1)
         yield info
         yield counter(
             "kvgate:engine_restarts",
             "Times the engine's supervisor ended every request in flight after an unexpected "
             "error in a step and carried on.",
-            engine.num_recoveries,
+            snap.recoveries,
         )
-        # len() of a list or deque is atomic under the GIL: safe to read from this thread.
-        yield gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", len(sched.running)
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", snap.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", snap.waiting)
+        yield counter(
+            "kvgate:engine_requests_added",
+            "Requests handed to the engine's scheduler (running + waiting + finished).",
+            snap.added,
         )
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", len(sched.waiting))
+        yield counter(
+            "kvgate:engine_requests_finished",
+            "Requests that ended in the engine, any way (finished, aborted, refused, expired).",
+            snap.finished,
+        )
+        yield counter("kvgate:engine_steps", "Engine steps run.", snap.steps)
         yield gauge(
             "kvgate:num_requests_running_spare",
             "Running requests in spare slots beyond max_num_seqs (instead of preempting).",
-            len(sched.spare),
+            snap.running_spare,
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
-            pool.num_used_blocks / max(pool.num_blocks, 1),
+            snap.kv_usage,
+        )
+        yield counter(
+            "kvgate:kv_window_freed_blocks",
+            "KV blocks given back because they fell out of every sliding window that reads them.",
+            snap.kv_window_freed,
         )
         yield counter(
             "vllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            kv.prefix_queries,
+            snap.prefix_queries,
         )
         yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_hits
         )
         yield counter(
-            "vllm:num_preemptions",
-            "Requests preempted for lack of KV blocks.",
-            sched.num_preemptions,
+            "vllm:num_preemptions", "Requests preempted for lack of KV blocks.", snap.preemptions
         )
         blocks = GaugeMetricFamily(
             "kvgate:kv_cache_blocks",
@@ -111,32 +121,33 @@ class EngineCollector(Collector):
         yield gauge(
             "kvgate:kv_fragmentation_ratio",
             "Reserved but unfilled KV slots over reserved slots (running requests).",
-            kv.fragmentation(list(sched.running)),
+            snap.kv_fragmentation,
         )
         by_reason = CounterMetricFamily(
             "kvgate:preemptions",
             "Preemptions by cause: pool (no free block), quota (tenant ceiling), slot.",
             labels=(*LABELS, "reason"),
         )
-        for reason, n in list(sched.preemptions_by_reason.items()):
+        for reason, n in snap.preemptions_by_reason.items():
             by_reason.add_metric([*labels, reason], n)
         yield by_reason
-        cached = pool.num_free_cached_blocks()
-        blocks.add_metric([*labels, "used"], pool.num_used_blocks)
-        blocks.add_metric([*labels, "cached"], cached)
-        blocks.add_metric([*labels, "free"], pool.num_free_blocks - cached)
+        blocks.add_metric([*labels, "used"], snap.kv_used)
+        blocks.add_metric([*labels, "cached"], snap.kv_cached)
+        blocks.add_metric([*labels, "free"], snap.kv_free)
         yield blocks
 
 
 class TenantCollector(Collector):
     """Per-tenant accounting (tenant label), read live at scrape time."""
 
-    def __init__(self, engine: Callable[[], LLMEngine | None], governance: Governance) -> None:
-        self._engine = engine
+    def __init__(
+        self, snapshot: Callable[[], EngineSnapshot | None], governance: Governance
+    ) -> None:
+        self._snapshot = snapshot
         self._governance = governance
 
     def collect(self) -> Iterator[Metric]:
-        report = self._governance.report(self._engine())
+        report = self._governance.report(self._snapshot())
         tl = ("tenant",)
 
         def family(

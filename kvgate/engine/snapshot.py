@@ -1,0 +1,116 @@
+"""An immutable picture of the engine, taken on the engine thread after everything that
+changes what it shows (a step, an add, an abort), and published by swapping one reference.
+
+Other threads (``/metrics``, ``/admin/tenants``, ``/dashboard``) read only this: every figure
+in one snapshot comes from the same moment, so none of them can show a request in two
+states or in none (``running + waiting + finished == added`` always holds), and none of them
+walks a list the engine is changing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class TenantSnapshot:
+    kv_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    kv_block_seconds: float = 0.0
+    finished: Mapping[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    taken_at: float  # time.monotonic()
+    steps: int
+    #: Requests handed to the scheduler, and those that ended there (any way).
+    added: int
+    finished: int
+    running: int
+    waiting: int
+    running_spare: int
+    kv_blocks: int
+    kv_used: int
+    kv_cached: int  # free, but holding a reusable prefix
+    kv_fragmentation: float
+    kv_window_freed: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    preemptions_by_reason: Mapping[str, int]
+    recoveries: int
+    tenants: Mapping[str, TenantSnapshot]
+    build_info: Mapping[str, str]  # what runs each op (fixed at load)
+
+    @property
+    def kv_free(self) -> int:
+        """Free blocks holding nothing reusable."""
+        return self.kv_blocks - self.kv_used - self.kv_cached
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / max(self.kv_blocks, 1)
+
+    @staticmethod
+    def capture(engine: LLMEngine) -> EngineSnapshot:
+        """On the engine thread only."""
+        sched, kv, ledger = engine.scheduler, engine.kv_cache, engine.ledger
+        pool = kv.pool
+        running: Counter[str] = Counter(r.tenant for r in sched.running)
+        waiting: Counter[str] = Counter(r.tenant for r in sched.waiting)
+        finished: dict[str, dict[str, int]] = {}
+        for (tenant, reason), n in ledger.finished.items():
+            finished.setdefault(tenant, {})[reason] = n
+        names = (
+            set(running) | set(waiting) | set(kv.tenant_blocks) | set(ledger.prompt_tokens)
+            | set(finished) | set(kv.tenant_prefix_queries)
+        )  # fmt: skip
+        tenants = {
+            name: TenantSnapshot(
+                kv_blocks=kv.tenant_blocks.get(name, 0),
+                running=running[name],
+                waiting=waiting[name],
+                prefix_queries=kv.tenant_prefix_queries.get(name, 0),
+                prefix_hits=kv.tenant_prefix_hits.get(name, 0),
+                prompt_tokens=ledger.prompt_tokens[name],
+                generation_tokens=ledger.generation_tokens[name],
+                kv_block_seconds=ledger.block_seconds.get(name, 0.0),
+                finished=MappingProxyType(finished.get(name, {})),
+            )
+            for name in names
+        }
+        return EngineSnapshot(
+            taken_at=time.monotonic(),
+            steps=engine.num_steps,
+            added=sched.num_added,
+            finished=sched.num_finished,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            running_spare=len(sched.spare),
+            kv_blocks=pool.num_blocks,
+            kv_used=pool.num_used_blocks,
+            kv_cached=pool.num_free_cached_blocks(),
+            kv_fragmentation=kv.fragmentation(sched.running),
+            kv_window_freed=kv.num_window_freed,
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            preemptions=sched.num_preemptions,
+            preemptions_by_reason=MappingProxyType(dict(sched.preemptions_by_reason)),
+            recoveries=engine.num_recoveries,
+            tenants=MappingProxyType(tenants),
+            build_info=MappingProxyType(dict(getattr(engine, "build_info", {}))),
+        )
