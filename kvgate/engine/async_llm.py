@@ -294,7 +294,16 @@ class AsyncLLM:
 
     def _drain_commands(self, wait: float | None) -> bool:
         """Apply queued commands, waiting up to ``wait`` seconds for the first one (None: for
-        ever); False once shutdown was asked for."""
+        ever), then publish the engine's snapshot once if any was applied; False once
+        shutdown was asked for."""
+        applied = self._apply_commands(wait)
+        if applied:
+            self.engine.publish()
+        return applied is not None
+
+    def _apply_commands(self, wait: float | None) -> int | None:
+        """How many commands were applied; None once shutdown was asked for."""
+        applied = 0
         deferred, self._deferred = self._deferred, []
         first = not deferred
         while True:
@@ -308,10 +317,11 @@ class AsyncLLM:
                     else:
                         cmd = self._commands.get(block=False)
                 except queue.Empty:
-                    return True
+                    return applied
             first = False
             if cmd is None:
-                return False
+                return None
+            applied += 1
             if isinstance(cmd, _Call):
                 try:
                     cmd.fn()

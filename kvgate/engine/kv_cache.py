@@ -49,6 +49,7 @@ class KVCacheManager:
         # and (sliding groups) how many leading entries were given back.
         self._num_cached: dict[str, list[int]] = {}
         self._num_dropped: dict[str, list[int]] = {}
+        self._num_held: dict[str, int] = {}  # blocks (not None) over all of a request's tables
         # Metrics: prefix cache queries and hits, in tokens (vLLM's unit).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -80,11 +81,11 @@ class KVCacheManager:
         return [b for t in self.req_blocks.get(request_id, ()) for b in t if b is not None]
 
     def num_held(self, request_id: str) -> int:
-        return sum(1 for t in self.req_blocks.get(request_id, ()) for b in t if b is not None)
+        return self._num_held.get(request_id, 0)
 
     def held_counts(self) -> dict[str, int]:
         """Blocks held by each request that holds any."""
-        return {rid: self.num_held(rid) for rid in self.req_blocks}
+        return dict(self._num_held)
 
     # ------------------------------------------------------------------ prefix cache
     def update_block_hashes(self, request: Request) -> None:
@@ -233,6 +234,7 @@ class KVCacheManager:
             if add:
                 tables[g].extend(self.pool.allocate(add))
         added = len(hits) + num_new_blocks
+        self._num_held[rid] = self._num_held.get(rid, 0) + added
         if added:
             request.peak_kv_blocks = max(request.peak_kv_blocks, self.num_held(rid))
             tb = self.tenant_blocks
@@ -282,6 +284,7 @@ class KVCacheManager:
             self._num_dropped[rid][g] = max(self._num_dropped[rid][g], min(first, len(table)))
         if dropped:
             self.num_window_freed += dropped
+            self._num_held[rid] -= dropped
             self._uncount(request.tenant, dropped)
 
     def free(self, request: Request) -> None:
@@ -293,6 +296,7 @@ class KVCacheManager:
         tables = self.req_blocks.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self._num_dropped.pop(request.request_id, None)
+        self._num_held.pop(request.request_id, None)
         if not tables:
             return
         longest = max(len(t) for t in tables)
@@ -316,6 +320,8 @@ class KVCacheManager:
             tables = self.req_blocks.get(r.request_id)
             if tables is None:
                 continue
+            held = sum(1 for t in tables for b in t if b is not None)
+            assert self._num_held.get(r.request_id, 0) == held, (r.request_id, held)
             for group, table in zip(self.layout.groups, tables, strict=True):
                 first = group.first_needed_block(r.num_computed_tokens, bs)
                 computed = min(cdiv(r.num_computed_tokens, bs), len(table))

@@ -287,7 +287,6 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self._outputs[request.request_id] = _OutputState(detok)
-        self.publish()
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
@@ -300,7 +299,6 @@ class LLMEngine:
         """End requests at once; their blocks are free before this returns."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._aborted.append(self._final_output(request))
-        self.publish()
 
     def recover(self, exc: BaseException) -> list[Request]:
         """After an unexpected error in a step: end every request (their blocks freed, no
@@ -319,7 +317,8 @@ class LLMEngine:
 
     def publish(self) -> None:
         """Take and publish the snapshot other threads read (``snapshot.py``); on the engine
-        thread, after every change they should see."""
+        thread. Each step ends with one; whoever adds or aborts outside a step publishes once
+        after a batch of them (``AsyncLLM`` after draining its commands)."""
         self.snapshot = EngineSnapshot.capture(self)
 
     def has_unfinished(self) -> bool:

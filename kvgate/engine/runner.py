@@ -15,7 +15,7 @@ from kvgate.engine.messages import RunnerOutput, ScheduledSequence, SchedulerOut
 from kvgate.engine.sampler import Sampler, SamplingState
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.kv_layout import KVGroup, KVLayout
-from kvgate.model.llama import LlamaModel
+from kvgate.model.protocol import Model
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
 from kvgate.structured.masks import MaskBuilder
@@ -70,7 +70,7 @@ class FlatBatch:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         kv_caches: KVCaches,
         block_size: int,
         sampler: Sampler | None = None,
@@ -94,7 +94,7 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
     ) -> RunnerOutput:
-        """Run one step. ``between_layers``: see ``LlamaModel.forward``."""
+        """Run one step. ``between_layers``: see ``Model.forward``."""
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:

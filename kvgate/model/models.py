@@ -1,4 +1,5 @@
-"""The model class of each architecture (``Architecture.model_class``)."""
+"""The model class of each architecture (``Architecture.model_class``); each satisfies the
+``Model`` protocol (``protocol.py``) the runner drives."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def _run(eng: LLMEngine, record: list[torch.Tensor]) -> dict[str, list[int]]:
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
         h = forward(*args, **kwargs)
-        if not args[3].prefills:
+        meta = args[3][0] if isinstance(args[3], tuple) else args[3]  # per layer: all alike
+        if not meta.prefills:
             record.append(h.clone())
         return h
 

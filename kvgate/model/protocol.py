@@ -1,0 +1,46 @@
+"""What the engine needs of a model: the ``Model`` protocol the runner drives.
+
+A model class (``models.py``) holds its weights and runs one step over the flat batch; the
+KV cache's layout belongs to its attention backend (``kv_cache_shape``, ``write_kv``), the
+grouping of layers into block tables to ``KVLayout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.config import ModelConfig
+
+
+class Model(Protocol):
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    attention: AttentionBackend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
+        meta: AttentionMetadata | Sequence[AttentionMetadata],  # the step's, or per layer
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        ...
+
+    def build_info(self, isa: str) -> dict[str, str]:
+        """What runs each op (for the start-up log and ``kvgate:build_info``)."""
+        ...
+
+    def num_parameters(self) -> int: ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads."""
+        ...
