@@ -94,7 +94,9 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
     ) -> RunnerOutput:
-        """Run one step. ``between_layers``: see ``Model.forward``."""
+        """Run one step. ``between_layers``: called at each pause between two layers of the
+        model's forward (``Model.stepwise``), which is suspended meanwhile, not on the stack:
+        the engine may run a whole other step there."""
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
@@ -120,9 +122,20 @@ class ModelRunner:
             if (matcher := self.states[rid].matcher) is not None
         ]
         masks = self._mask_builder().start([m for _, m in guided]) if guided else None
-        hidden = self.model.forward(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
+        layers = self.model.stepwise(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers is not None
         )
+        try:
+            while True:
+                try:
+                    next(layers)
+                except StopIteration as done:
+                    hidden: torch.Tensor = done.value
+                    break
+                assert between_layers is not None
+                between_layers()
+        finally:
+            layers.close()  # a hook that raised leaves no half-run forward behind
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])

@@ -11,7 +11,7 @@ Shapes as in ``llama.py``: T tokens, H hidden, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,24 +62,34 @@ class Gemma3Model(LlamaModel):
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return (out * weight).to(x.dtype)
 
-    @torch.inference_mode()
-    def forward(
+    @torch.inference_mode()  # entered and left around each resumption of the generator
+    def stepwise(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
-        between_layers: Callable[[], None] | None = None,
-    ) -> torch.Tensor:  # [T, H]
-        """As ``LlamaModel.forward``; a sliding layer's ``meta`` names only the blocks its
+        pause: bool,
+    ) -> Generator[None, None, torch.Tensor]:  # [T, H]
+        """As ``LlamaModel.stepwise``; a sliding layer's ``meta`` names only the blocks its
         window reaches."""
+        return (yield from self._layers(input_ids, positions, kv_caches, meta, pause))
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
+        pause: bool,
+    ) -> Generator[None, None, torch.Tensor]:
         metas = per_layer(meta, len(self.layers))
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
         tables = (self.rope.tables(positions), self.rope_local.tables(positions))
         x = F.embedding(input_ids, self.embed) * self.embed_scale  # [T, H]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i and between_layers is not None:
-                between_layers()
+            if i and pause:
+                yield
             window = self.windows[i]
             cos, sin = tables[window is not None]  # sliding layers: the local RoPE
             qkv = layer.qkv(self._rms(x, layer.input_norm))

@@ -8,7 +8,7 @@ Hq / Hkv = query / KV heads, D = head dim, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,16 @@ from kvgate.model.linear import Linear, LinearFactory
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
+
+
+def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """Drive a ``stepwise`` generator to its end; its hidden states."""
+    while True:
+        try:
+            next(layers)
+        except StopIteration as done:
+            hidden: torch.Tensor = done.value
+            return hidden
 
 
 def per_layer(
@@ -216,14 +226,24 @@ class LlamaModel:
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
-        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H]
-        """One step over the flat batch; returns final-normed hidden states.
+        """One step over the flat batch, all layers at once; returns final-normed hidden
+        states. ``meta``: the step's attention description, or one per layer."""
+        return drive(self.stepwise(input_ids, positions, kv_caches, meta, pause=False))
 
-        ``meta``: the step's attention description, or one per layer (``KVLayout`` groups).
-        ``between_layers`` is called after every layer but the last: the engine may run a
-        whole other step there (for other sequences) and this one then carries on.
-        """
+    @torch.inference_mode()  # entered and left around each resumption of the generator
+    def stepwise(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
+        pause: bool,
+    ) -> Generator[None, None, torch.Tensor]:
+        """The same step as a generator that, with ``pause``, stops after every layer but the
+        last: whoever drives it (the engine's step) may run a whole other step there (an
+        urgent prefill, for other sequences) before resuming this one. Its value is the
+        final-normed hidden states [T, H]. The model never calls back into the engine."""
         metas = per_layer(meta, len(self.layers))
         meta = metas[0]  # every layer's: Llama-family layers attend to the whole context
         eps = self.config.rms_norm_eps
@@ -234,17 +254,17 @@ class LlamaModel:
         if native is not None and native.applies(kv_caches, meta):
             # Decodes only: whole layers per native call, the same kernels in the same order.
             step = native.start(positions, residual, h, meta)
-            if between_layers is None:
+            if not pause:
                 native.run(step, 0, len(self.layers))
             else:
                 for i in range(len(self.layers)):
                     if i:
-                        between_layers()
+                        yield
                     native.run(step, i, i + 1)
             return h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i and between_layers is not None:
-                between_layers()
+            if i and pause:
+                yield
             qkv = layer.qkv(h)
             if layer.q_norm is not None and layer.k_norm is not None:
                 self._norm_heads(qkv, layer.q_norm, layer.k_norm)

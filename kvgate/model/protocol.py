@@ -7,7 +7,7 @@ grouping of layers into block tables to ``KVLayout``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Generator, Sequence
 from typing import Protocol
 
 import torch
@@ -28,8 +28,19 @@ class Model(Protocol):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # the step's, or per layer
-        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        ...
+
+    def stepwise(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
+        pause: bool,
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` as a generator pausing after each layer but the last (with ``pause``):
+        the engine's step drives it and may run an urgent step at a pause."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32

@@ -46,16 +46,16 @@ def _engine(model_dir: Path, quantization: str | None) -> LLMEngine:
 def _run(eng: LLMEngine, record: list[torch.Tensor]) -> dict[str, list[int]]:
     """Three sequences of different lengths (block edges crossed while decoding), greedy;
     every decode step's final hidden states go to ``record``."""
-    forward = eng.model.forward
+    stepwise = eng.model.stepwise
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        h = forward(*args, **kwargs)
+        h = yield from stepwise(*args, **kwargs)
         meta = args[3][0] if isinstance(args[3], tuple) else args[3]  # per layer: all alike
         if not meta.prefills:
             record.append(h.clone())
         return h
 
-    eng.model.forward = recording  # type: ignore[method-assign]
+    eng.model.stepwise = recording  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     for rid, n in (("a", 5), ("b", 14), ("c", 40)):
         eng.add_request(rid, list(range(300, 300 + n)), greedy)
