@@ -282,7 +282,7 @@ def run_session(
 ) -> dict[str, dict[str, Any]]:
     log = Path(tempfile.mkstemp(suffix=".jsonl", dir=tenants.parent)[1])
     server = start_kvgate(
-        8411, a.threads, a.max_num_seqs,
+        f"kvgate-{scheduling}", 8411, a.threads, a.max_num_seqs,
         "--tenants", str(tenants), "--scheduling", scheduling, "--max-queue-len", "100000",
         "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--access-log", str(log),
     )  # fmt: skip

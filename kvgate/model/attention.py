@@ -233,21 +233,35 @@ class TorchAttention:
         if p.start_pos == 0 and lq <= _SHORT_PREFILL + _SHORT_TAIL:
             return self._short_prefill_and_tail(q, k, v, p)
         qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if p.start_pos == 0:
-            # A whole fresh prompt: its keys are exactly this step's, no gather needed.
-            ks = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, Lq, D]
-            vs = v[p.token_start : p.token_end].transpose(0, 1)
-            mask = None
-            causal = True
-        else:
-            ks = self._gather(k_cache, p.block_table)[:, : p.context_len]  # [Hkv, ctx, D]
-            vs = self._gather(v_cache, p.block_table)[:, : p.context_len]
+        ks, vs = self._context(k, v, k_cache, v_cache, p)  # [Hkv, ctx, D]
+        mask = None
+        if p.start_pos:
             # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
             q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)
             mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
-            causal = False
-        o = self._sdpa(qs, ks.unsqueeze(0), vs.unsqueeze(0), mask, causal)
+        o = self._sdpa(qs, ks.unsqueeze(0), vs.unsqueeze(0), mask, mask is None)
         return o.squeeze(0).transpose(0, 1)  # [Lq, Hq, D]
+
+    def _context(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        p: PrefillSlice,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a prefill slice reads, [Hkv, n, D], from position
+        ``p.kv_start``: a fresh prompt's are exactly this step's (no gather); a chunk's come
+        from the pool."""
+        if p.start_pos == 0:
+            return k[p.token_start : p.token_end].transpose(0, 1), v[
+                p.token_start : p.token_end
+            ].transpose(0, 1)
+        n = p.context_len - p.kv_start
+        return (
+            self._gather(k_cache, p.block_table)[:, :n],
+            self._gather(v_cache, p.block_table)[:, :n],
+        )
 
     def _windowed_prefill(
         self,
@@ -263,13 +277,8 @@ class TorchAttention:
         keys i - window + 1 .. i. [Lq, Hq, D]"""
         lq = p.token_end - p.token_start
         qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if p.start_pos == 0:
-            ks = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, Lq, D]
-            vs = v[p.token_start : p.token_end].transpose(0, 1)
-        else:  # keys from the first block the window reaches: positions kv_start ..
-            n = p.context_len - p.kv_start
-            ks = self._gather(k_cache, p.block_table)[:, :n]  # [Hkv, n, D]
-            vs = self._gather(v_cache, p.block_table)[:, :n]
+        # Keys from the first block the window reaches: positions kv_start .. context_len.
+        ks, vs = self._context(k, v, k_cache, v_cache, p)
         q_pos = torch.arange(p.start_pos, p.start_pos + lq, device=q.device)[:, None]
         k_pos = torch.arange(p.kv_start, p.context_len, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
