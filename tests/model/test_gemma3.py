@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,8 +15,8 @@ from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.errors import UnsupportedModel
 from kvgate.model.checkpoint import load_checkpoint
-from kvgate.model.gguf_loader import _map, _parse_header
 from kvgate.tokenizer import Tokenizer
+from tests.gguf_writer import write_gguf
 from tests.hf_reference import hf_greedy
 from tests.tiny_model import TINY_LLAMA
 
@@ -25,22 +24,6 @@ WINDOW = 24
 LAYERS = 6  # sliding, sliding, full, sliding, sliding, full
 NEW_TOKENS = 24
 PROMPT_LENS = (1, 20, 40, 100, 300)
-
-_GGUF_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 
 
 def _layer_type(i: int) -> str:
@@ -65,52 +48,13 @@ def _hf_config() -> Any:
     )
 
 
-def _write_gguf(path: Path, model: Any, smollm2_gguf_path: Path) -> None:
-    """llama.cpp's layout of the same weights: Gemma's names, norms stored as 1 + w, the
-    sliding window in the metadata, and SmolLM2's vocabulary (as the HF directory has)."""
-    from gguf import GGUFWriter
-
-    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
-    c = model.config
-    writer = GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+def _gemma_keys(writer: Any) -> None:
+    """What llama.cpp writes for Gemma 3 beyond the common keys (and the pattern and
+    attention scale, which it leaves to its defaults but which a file may state)."""
     writer.add_rope_freq_base(100000.0)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(WINDOW)
     writer.add_uint32("gemma3.attention.sliding_window_pattern", 3)
     writer.add_float32("gemma3.attention.scale", 24**-0.5)  # query_pre_attn_scalar
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        array = tensor.float().numpy()
-        if name.endswith("norm.weight"):
-            array = array + np.float32(1.0)
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
-        writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +74,8 @@ def tiny_gemma3(
                 p.mul_(0.05)
     model.save_pretrained(root / "hf", safe_serialization=True)
     smollm2_tokenizer.save_hf(root / "hf")
-    _write_gguf(root / "tiny.gguf", model, smollm2_gguf_path)
+    # llama.cpp's layout of the same weights: Gemma's names, norms stored as 1 + w.
+    write_gguf(root / "tiny.gguf", model, "gemma3", smollm2_gguf_path, edit=_gemma_keys)
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in PROMPT_LENS]
     return {

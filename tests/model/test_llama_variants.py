@@ -14,6 +14,7 @@ import torch
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.tokenizer import Tokenizer
+from tests.gguf_writer import write_gguf
 from tests.hf_reference import hf_greedy
 from tests.tiny_model import TINY_LLAMA
 
@@ -106,3 +107,37 @@ def test_qwen3_in_bfloat16_runs_the_fused_ops_and_agrees(
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     first_agree = sum(o.token_ids[0] == e[0] for o, e in zip(outs, expected, strict=True))
     assert first_agree >= 3, (outs, expected)
+
+
+# The GGUF round trip of each variant llama.cpp can store: the same weights written as
+# convert_hf_to_gguf.py would, run one at a time, batched, with prefill chunked by 16 and
+# with prefix-cache hits. (llama.cpp has no key for llama3 RoPE scaling but rope_freqs.)
+GGUF_VARIANTS = {"untied-head": "llama", "qwen2-bias": "qwen2", "qwen3-qk-norm": "qwen3"}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_gguf_greedy_matches_transformers(
+    variant: str, tmp_path: Path, smollm2_tokenizer: Tokenizer, smollm2_gguf_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory = _build(tmp_path / variant, smollm2_tokenizer, variant)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    path = tmp_path / f"{variant}.gguf"
+    write_gguf(
+        path,
+        hf,
+        GGUF_VARIANTS[variant],
+        smollm2_gguf_path,
+        edit=lambda w: w.add_rope_freq_base(hf.config.rope_parameters["rope_theta"]),
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (1, 40, 150)]
+    prompts.append(prompts[2] + prompts[1])  # a prefix hit of 144 tokens, then 40 more
+    expected = hf_greedy(hf, prompts, max_new_tokens=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    one_at_a_time = [llm.generate([p], greedy)[0] for p in prompts]
+    assert [list(o.token_ids) for o in one_at_a_time] == expected
+    assert one_at_a_time[3].num_cached_tokens >= 144
+    assert [list(o.token_ids) for o in llm.generate(prompts, greedy)] == expected
