@@ -73,16 +73,6 @@ class Gemma3Model(LlamaModel):
     ) -> Generator[None, None, torch.Tensor]:  # [T, H]
         """As ``LlamaModel.stepwise``; a sliding layer's ``meta`` names only the blocks its
         window reaches."""
-        return (yield from self._layers(input_ids, positions, kv_caches, meta, pause))
-
-    def _layers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata | Sequence[AttentionMetadata],
-        pause: bool,
-    ) -> Generator[None, None, torch.Tensor]:
         metas = per_layer(meta, len(self.layers))
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
         tables = (self.rope.tables(positions), self.rope_local.tables(positions))
