@@ -40,3 +40,25 @@ def build_tiny_llama(
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_hf(directory)
     return directory
+
+
+def tiny_qwen3(seed: int = 3) -> Any:
+    """A random-weight Qwen3ForCausalLM of the tiny shape (per-head q/k norms made to matter:
+    HF initialises them to one)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_LLAMA, head_dim=16))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def build_tiny_qwen3(directory: Path, tokenizer: Tokenizer, seed: int = 3) -> Path:
+    """``tiny_qwen3`` saved as an HF directory (fp32 safetensors) with ``tokenizer``."""
+    tiny_qwen3(seed).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_hf(directory)
+    return directory

@@ -15,16 +15,25 @@ from kvgate.entrypoints.serve import add_server_args
 from kvgate.errors import KVGateError
 from kvgate.model import cpu_isa
 from kvgate.sampling_params import SamplingParams
-from kvgate.server.config import config_file_argv
+from kvgate.server.config import config_file_argv, config_file_models
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="'smollm2' (default), a .gguf file, or a HF checkpoint directory",
-    )
+    if several_models:
+        g.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="'smollm2' (default), 'gemma3-270m', a .gguf file, or a HF checkpoint "
+            "directory; repeat it to serve several models, each with its own engine",
+        )
+    else:
+        g.add_argument(
+            "--model",
+            default=DEFAULT_MODEL,
+            help="'smollm2' (default), 'gemma3-270m', a .gguf file, or a HF checkpoint directory",
+        )
     g.add_argument(
         "--dtype",
         default="auto",
@@ -79,8 +88,9 @@ def _config(a: argparse.Namespace) -> EngineConfig:
     # A KVGATE_CPU_ISA above this CPU: a clear error now, naming the missing flags.
     cpu_isa.default_level()
     kv: str | float = a.kv_cache_memory
+    model = a.model if isinstance(a.model, str) else (a.model or [DEFAULT_MODEL])[0]
     return EngineConfig(
-        model=a.model,
+        model=model,
         dtype=a.dtype,
         quantization=a.quantization,
         kv_cache_memory=kv,
@@ -186,9 +196,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from kvgate.entrypoints.serve import run_server, server_config
+    from kvgate.entrypoints.serve import models_to_serve, run_server, server_config
 
-    return run_server(_config(a), server_config(a))
+    models = models_to_serve(a, _config(a), getattr(a, "file_models", ()))
+    return run_server(models, server_config(a, models))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,7 +212,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_server_args(serve)
-    _engine_args(serve)
+    _engine_args(serve, several_models=True)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate a reply to one prompt")
     gen.add_argument("prompt", nargs="?", default="Write a haiku about a cache.")
@@ -224,7 +235,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if getattr(args, "config", None):
         given = list(sys.argv[1:] if argv is None else argv)
         file_argv = config_file_argv(args.config, serve_parser)
+        flags = args
         args = parser.parse_args(["serve", *file_argv, *given[1:]])
+        # Repeatable flags on the command line replace the file's, as single ones do.
+        for name in ("model", "served_model_name", "kv_weight"):
+            if getattr(flags, name) is not None:
+                setattr(args, name, getattr(flags, name))
+        args.file_models = config_file_models(args.config)
     return args
 
 

@@ -1,18 +1,27 @@
-"""``kvgate serve``: the OpenAI-compatible server on uvicorn."""
+"""``kvgate serve``: the OpenAI-compatible server on uvicorn.
+
+``--model`` may be given several times (or the config file may hold a ``models`` list):
+each model gets an engine and a KV pool of its own, the pools sized from the one
+``--kv-cache-memory`` budget split by ``--kv-weight``; requests go to the model they name.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from kvgate.config import DEFAULT_MODEL, EngineConfig
+from kvgate.config import DEFAULT_MODEL, EngineConfig, available_memory_bytes, parse_memory
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
+from kvgate.errors import InvalidConfig
 from kvgate.server.config import ServerConfig
 from kvgate.server.limits import RequestLimits
 
@@ -25,7 +34,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
-        "--served-model-name", default=None, help="the name clients send (default: --model)"
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="the name clients send (default: --model's name); once per --model, in order",
+    )
+    g.add_argument(
+        "--kv-weight",
+        action="append",
+        type=float,
+        default=None,
+        help="with several --model: each one's part of --kv-cache-memory, in order "
+        "(default: equal parts)",
     )
     g.add_argument(
         "--api-keys-file",
@@ -119,10 +139,114 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config(a: argparse.Namespace) -> ServerConfig:
-    name = a.served_model_name
-    if name is None:
-        name = a.model if a.model == DEFAULT_MODEL else os.path.basename(a.model.rstrip("/"))
+@dataclass(frozen=True)
+class ModelToServe:
+    """One model of ``kvgate serve``: the name clients send, its engine's configuration,
+    and its weight in the split of the KV memory budget."""
+
+    name: str
+    engine: EngineConfig
+    kv_weight: float = 1.0
+
+
+#: Engine settings a ``models`` entry of the config file may set for its model alone.
+_PER_MODEL = frozenset({
+    "dtype", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "num_spare_seqs", "block_size", "enable_prefix_caching", "native_kernels",
+})  # fmt: skip
+
+
+def default_name(model: str) -> str:
+    """The served name of ``--model``: a shipped alias as is, a path's last part."""
+    return model if model == DEFAULT_MODEL else os.path.basename(model.rstrip("/"))
+
+
+def models_to_serve(
+    a: argparse.Namespace, base: EngineConfig, file_models: Sequence[Mapping[str, Any]] = ()
+) -> list[ModelToServe]:
+    """The models to serve: ``--model`` (repeatable) with ``--served-model-name`` and
+    ``--kv-weight`` by position, else the config file's ``models`` list, else the default
+    model; ``base`` holds the engine settings they share. The KV budget (``base``'s
+    ``kv_cache_memory``, a fraction resolved once, now) is split by weight."""
+    names = list(a.served_model_name or ())
+    weights = list(a.kv_weight or ())
+    entries: list[dict[str, Any]]
+    if a.model:
+        entries = [{"model": m} for m in a.model]
+        if len(names) > len(entries) or len(weights) > len(entries):
+            raise InvalidConfig(
+                f"{len(entries)} --model but {len(names)} --served-model-name and "
+                f"{len(weights)} --kv-weight: give at most one of each per --model",
+                param="served_model_name",
+            )
+        for entry, name in zip(entries, names, strict=False):
+            entry["name"] = name
+        for entry, weight in zip(entries, weights, strict=False):
+            entry["kv_weight"] = weight
+    elif file_models:
+        entries = [dict(m) for m in file_models]
+        if len(entries) == 1 and names:
+            entries[0].setdefault("name", names[0])
+    else:
+        entries = [{"model": DEFAULT_MODEL, **({"name": names[0]} if names else {})}]
+    models = [_model_entry(e, base, i) for i, e in enumerate(entries)]
+    seen: set[str] = set()
+    for m in models:
+        if m.name in seen:
+            raise InvalidConfig(
+                f"two models are served as {m.name!r}; give each its own --served-model-name",
+                param="served_model_name",
+            )
+        seen.add(m.name)
+    if len(models) == 1:
+        return models
+    total = parse_memory(base.kv_cache_memory, available_memory_bytes())
+    weight = sum(m.kv_weight for m in models)
+    return [
+        dataclasses.replace(
+            m,
+            engine=dataclasses.replace(
+                m.engine, kv_cache_memory=max(1, int(total * m.kv_weight / weight))
+            ),
+        )
+        for m in models
+    ]
+
+
+def _model_entry(entry: Mapping[str, Any], base: EngineConfig, i: int) -> ModelToServe:
+    where = f"models[{i}]"
+    model = entry.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidConfig(f"{where}: needs 'model', a name or a path", param="models")
+    name = entry.get("name", default_name(model))
+    if not isinstance(name, str) or not name:
+        raise InvalidConfig(f"{where}.name must be a non-empty string", param="models")
+    weight = entry.get("kv_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise InvalidConfig(
+            f"{where}.kv_weight must be a positive number, got {weight!r}", param="kv_weight"
+        )
+    settings = {k.replace("-", "_"): v for k, v in entry.items()}
+    unknown = set(settings) - _PER_MODEL - {"model", "name", "kv_weight"}
+    if unknown:
+        known = ", ".join(sorted(_PER_MODEL | {"model", "name", "kv_weight"}))
+        raise InvalidConfig(
+            f"{where}: unknown setting(s) {sorted(unknown)}; known: {known}", param="models"
+        )
+    overrides = {k: v for k, v in settings.items() if k in _PER_MODEL}
+    return ModelToServe(
+        name, dataclasses.replace(base, model=model, **overrides), kv_weight=float(weight)
+    )
+
+
+def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) -> ServerConfig:
+    """``models``: what ``models_to_serve`` gave (the first names the default model)."""
+    if models:
+        name = models[0].name
+    elif a.served_model_name:
+        name = a.served_model_name[0]
+    else:
+        name = default_name(a.model[0] if a.model else DEFAULT_MODEL)
     return ServerConfig(
         host=a.host,
         port=a.port,
@@ -180,7 +304,7 @@ def engine_loader(
     return load
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
     import uvicorn
 
     from kvgate.server.app import build_app
@@ -210,7 +334,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         log.info("tracing on: OTLP/HTTP export as configured by the OTEL_* variables")
     app = build_app(
         config,
-        engine_loader(engine_config, config.max_queue_len),
+        {m.name: engine_loader(m.engine, config.max_queue_len) for m in models},
         on_load_error=on_load_error,
         on_engine_dead=on_engine_dead,
         tracer_provider=provider,
@@ -225,14 +349,17 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             timeout_graceful_shutdown=5,
         )
     )
+    for m in models:
+        log.info(
+            "model %r: %s (%s, kv_cache_memory=%s)",
+            m.name, m.engine.model, m.engine.dtype, m.engine.kv_cache_memory,
+        )  # fmt: skip
     log.info(
-        "kvgate serving %r (%s, kv_cache_memory=%s) on http://%s:%d/v1 ; /health turns 200 "
-        "once the model is loaded",
-        config.served_model_name,
-        engine_config.dtype,
-        engine_config.kv_cache_memory,
+        "kvgate serving %s on http://%s:%d/v1 ; /health turns 200 once %s loaded",
+        ", ".join(repr(m.name) for m in models),
         config.host,
         config.port,
+        "the model is" if len(models) == 1 else "every model is",
     )
     # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop.
     with contextlib.suppress(KeyboardInterrupt):

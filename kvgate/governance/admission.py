@@ -11,6 +11,10 @@ Runs on the server's event loop (one thread), before a request reaches the engin
 Rates are token buckets refilled continuously: a bucket of ``limit`` per minute holds at most
 ``limit``. Tokens are charged as prompt + max_tokens at admission; what a request did not use
 is given back when it ends.
+
+A server of several models has one ``TenantGate`` per model (its KV pool sizes the ceiling,
+its request slots the queue share) and one ``TenantRates`` shared by them all: a tenant's
+rates and ``max_concurrent`` hold for the whole server, whichever models it calls.
 """
 
 from __future__ import annotations
@@ -53,9 +57,57 @@ class _Bucket:
 
 @dataclass
 class _TenantState:
-    in_flight: int = 0
+    in_flight: int = 0  # every model's
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
+
+
+class TenantRates:
+    """Per-tenant rate buckets and requests in flight, for the whole server."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._state: dict[str, _TenantState] = {}
+
+    def state(self, tenant: str) -> _TenantState:
+        return self._state.setdefault(tenant, _TenantState())
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._state.get(tenant)
+        return state.in_flight if state is not None else 0
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        """``x-ratelimit-*`` headers for a response to ``tenant``."""
+        state = self._state.get(tenant)
+        return _headers(state) if state is not None else {}
+
+    def charge_requests(self, spec: TenantSpec, n: int) -> None:
+        """Take ``n`` requests from the tenant's requests-per-minute bucket, at the door,
+        before any work is done for them (a request refused later still counts); raise
+        ``RateLimited`` when they are not there, and ``TenantLimitExceeded`` for more
+        choices than the limit could ever hold."""
+        if spec.requests_per_minute is None:
+            return
+        if n > spec.requests_per_minute:
+            raise TenantLimitExceeded(
+                f"the request's {n} choices exceed tenant {spec.name!r}'s "
+                f"requests_per_minute={spec.requests_per_minute}",
+                limit="requests_per_minute",
+                value=spec.requests_per_minute,
+            )
+        now = self.clock()
+        state = self.state(spec.name)
+        state.requests = _sync(state.requests, spec.requests_per_minute, now)
+        assert state.requests is not None
+        if state.requests.level < n:
+            wait = state.requests.wait_for(n)
+            raise RateLimited(
+                f"tenant {spec.name!r} is over requests_per_minute={spec.requests_per_minute}; "
+                f"retry in {math.ceil(wait)} s",
+                retry_after=wait,
+                headers=_headers(state),
+            )
+        state.requests.level -= n
 
 
 @dataclass
@@ -84,7 +136,9 @@ class Ticket:
 
 
 class TenantGate:
-    """Per-tenant admission state. ``block_size`` and ``num_blocks`` size the KV ceiling."""
+    """Per-tenant admission into one model's engine. ``block_size`` and ``num_blocks`` (its
+    pool) size the KV ceiling; ``rates`` (None: a gate of its own) may be shared with the
+    gates of the server's other models."""
 
     def __init__(
         self,
@@ -92,23 +146,25 @@ class TenantGate:
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
         blocks_for: Callable[[int], int] | None = None,
+        rates: TenantRates | None = None,
     ) -> None:
         """``blocks_for``: the KV blocks one request of n tokens holds at most (the engine's
         ``KVLayout.max_blocks``); None: n / block_size, rounded up."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.clock = clock
+        self.rates = rates if rates is not None else TenantRates(clock)
+        self.clock = self.rates.clock
         self.blocks_for = blocks_for or (lambda n: -(-n // block_size))
-        self._state: dict[str, _TenantState] = {}
+        self._in_flight: dict[str, int] = {}  # this engine's, by tenant
 
     def in_flight(self, tenant: str) -> int:
-        state = self._state.get(tenant)
-        return state.in_flight if state is not None else 0
+        """The tenant's requests admitted into this engine and not yet released."""
+        return self._in_flight.get(tenant, 0)
 
     @property
     def total_in_flight(self) -> int:
-        """Admitted and not yet released, all tenants: the server's queue as it stands."""
-        return sum(s.in_flight for s in list(self._state.values()))
+        """Admitted and not yet released, all tenants: this engine's queue as it stands."""
+        return sum(list(self._in_flight.values()))
 
     def admit_all(
         self, spec: TenantSpec, sizes: list[tuple[int, int]], *, paid: bool = False
@@ -178,7 +234,7 @@ class TenantGate:
         finds room: a flood cannot starve the others of queue slots, whatever its
         ``max_concurrent``. Raises ``Overloaded`` for a request over its tenant's share."""
         reserve = math.floor(capacity * RESERVE_FRACTION)  # none in a server of 1-3 slots
-        active = {t for t, s in list(self._state.items()) if s.in_flight > 0} | {spec.name}
+        active = {t for t, n in list(self._in_flight.items()) if n > 0} | {spec.name}
         total_weight = sum(weight_of(t) for t in active)
         share = (capacity - reserve) * weight_of(spec.name) / total_weight
         mine = self.in_flight(spec.name)
@@ -192,32 +248,8 @@ class TenantGate:
             )
 
     def charge_requests(self, spec: TenantSpec, n: int) -> None:
-        """Take ``n`` requests from the tenant's requests-per-minute bucket, at the door,
-        before any work is done for them (a request refused later still counts); raise
-        ``RateLimited`` when they are not there, and ``TenantLimitExceeded`` for more
-        choices than the limit could ever hold."""
-        if spec.requests_per_minute is None:
-            return
-        if n > spec.requests_per_minute:
-            raise TenantLimitExceeded(
-                f"the request's {n} choices exceed tenant {spec.name!r}'s "
-                f"requests_per_minute={spec.requests_per_minute}",
-                limit="requests_per_minute",
-                value=spec.requests_per_minute,
-            )
-        now = self.clock()
-        state = self._state.setdefault(spec.name, _TenantState())
-        state.requests = _sync(state.requests, spec.requests_per_minute, now)
-        assert state.requests is not None
-        if state.requests.level < n:
-            wait = state.requests.wait_for(n)
-            raise RateLimited(
-                f"tenant {spec.name!r} is over requests_per_minute={spec.requests_per_minute}; "
-                f"retry in {math.ceil(wait)} s",
-                retry_after=wait,
-                headers=_headers(state),
-            )
-        state.requests.level -= n
+        """See ``TenantRates.charge_requests``."""
+        self.rates.charge_requests(spec, n)
 
     def admit(
         self, spec: TenantSpec, prompt_tokens: int, max_tokens: int, *, paid: bool = False
@@ -244,7 +276,7 @@ class TenantGate:
                 value=spec.tokens_per_minute,
             )
         now = self.clock()
-        state = self._state.setdefault(spec.name, _TenantState())
+        state = self.rates.state(spec.name)
         if not paid:
             state.requests = _sync(state.requests, spec.requests_per_minute, now)
         state.tokens = _sync(state.tokens, spec.tokens_per_minute, now)
@@ -277,19 +309,18 @@ class TenantGate:
         if state.tokens is not None:
             state.tokens.level -= total
         state.in_flight += 1
+        self._in_flight[spec.name] = self.in_flight(spec.name) + 1
         return Ticket(self, spec.name, total, refund_request=not paid)
 
     def headers(self, tenant: str) -> dict[str, str]:
         """``x-ratelimit-*`` headers for a response to ``tenant``."""
-        state = self._state.get(tenant)
-        return _headers(state) if state is not None else {}
+        return self.rates.headers(tenant)
 
     def _release(
         self, ticket: Ticket, used_tokens: int | None, refund_request: bool = False
     ) -> None:
-        state = self._state.get(ticket.tenant)
-        if state is None:
-            return
+        self._in_flight[ticket.tenant] -= 1
+        state = self.rates.state(ticket.tenant)
         state.in_flight -= 1
         now = self.clock()
         if state.tokens is not None and used_tokens is not None:

@@ -19,6 +19,7 @@ TOML (or YAML, by extension)::
     default_deadline = 60                      # seconds, when the request gives no timeout
     max_deadline = 300                         # caps a request's own timeout
     prefix_isolation = true                    # never share prefix-cache blocks with others
+    models = ["smollm2"]                       # the served models it may call (default: all)
 
 Without a tenants file the server runs open as one ``default`` tenant with no limits.
 """
@@ -82,6 +83,11 @@ class TenantSpec:
     default_deadline: float | None = None
     max_deadline: float | None = None
     prefix_isolation: bool = True
+    #: The served model names this tenant may call; None: every one.
+    models: tuple[str, ...] | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     @property
     def priority_rank(self) -> int:
@@ -133,6 +139,14 @@ def _spec(name: str, raw: Mapping[str, Any], where: str) -> TenantSpec:
                 raise InvalidConfig(
                     f"{bad} must be one of {', '.join(PRIORITIES)}, got {value!r}", param="tenants"
                 )
+        elif key == "models":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(m, str) and m for m in value)
+            ):
+                raise _bad(f"{bad} must be a non-empty list of served model names")
+            value = tuple(value)
         elif key == "prefix_isolation":
             if not isinstance(value, bool):
                 raise _bad(f"{bad} must be true or false")

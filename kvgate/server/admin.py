@@ -27,7 +27,7 @@ def install_admin_routes(app: FastAPI) -> None:
     @app.get("/admin/tenants")
     def tenants(request: Request) -> dict[str, Any]:
         state = _require_admin(request)
-        return {"tenants": state.governance.report(state.snapshot())}
+        return {"tenants": state.governance.report(state.snapshots())}
 
     @app.get("/admin/usage")
     def usage(

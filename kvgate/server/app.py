@@ -1,7 +1,8 @@
 """The FastAPI app: routes, auth, model loading in the background, metrics.
 
-The app starts serving at once; the model loads on a thread, and until it is ready /health
-answers 503 and the API answers 503 ``model_loading`` with Retry-After.
+The app starts serving at once; the models load on a thread, one after another (see
+``server/models.py``), and until a model is ready requests for it get 503 ``model_loading``
+with Retry-After; /health answers 503 until every model is ready.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -25,12 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.policy import SchedulingPolicy, TenantFairPolicy, TenantShare
+from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
-from kvgate.errors import EngineDead, InvalidRequest, KVGateError
+from kvgate.errors import InvalidRequest, KVGateError
 from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
@@ -42,11 +42,12 @@ from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door, off_loop
-from kvgate.server.errors import AuthenticationFailed, ModelLoading, install_error_handlers
+from kvgate.server.errors import AuthenticationFailed, install_error_handlers
 from kvgate.server.generation import ServingContext
 from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
+from kvgate.server.models import EngineLoader, ModelSlot, ServedModels
 from kvgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,50 +59,49 @@ from kvgate.server.tracing import NoTracing, Tracing
 
 log = logging.getLogger("kvgate.server")
 
-#: Builds the engine (on the loading thread), given the listeners it must report to and the
-#: scheduling policy (None: FIFO).
-EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], AsyncLLM]
-
 
 @dataclass
 class ServerState:
     config: ServerConfig
     governance: Governance
     usage: UsageLedger
+    models: ServedModels
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    serving: ServingContext | None = None
-    load_error: BaseException | None = None
+    #: Set once every model has loaded (or one failed).
     ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def serving(self) -> ServingContext | None:
+        """The default (first) model's; None until it is loaded."""
+        return self.models.default.serving
 
     @property
     def engine(self) -> LLMEngine | None:
         return self.serving.engine.engine if self.serving is not None else None
 
-    def snapshot(self) -> EngineSnapshot | None:
-        """The engine's latest published state; None until it is loaded."""
-        return self.serving.engine.snapshot() if self.serving is not None else None
+    @property
+    def load_error(self) -> BaseException | None:
+        return next((s.load_error for s in self.models if s.load_error is not None), None)
+
+    def snapshots(self) -> dict[str, EngineSnapshot]:
+        """Each loaded model's latest published engine state, by served name."""
+        return self.models.snapshots()
 
 
 def _load(
     state: ServerState,
-    loader: EngineLoader,
+    slot: ModelSlot,
     listeners: Sequence[StatsListener],
-    on_load_error: Callable[[BaseException], None] | None,
     on_engine_dead: Callable[[BaseException], None] | None = None,
 ) -> None:
+    """Load one model and put it in service; raises what the loader raised."""
     policy = TenantFairPolicy({}, TenantShare()) if state.config.scheduling == "fair" else None
-    try:
-        engine = loader(listeners, policy)
-    except BaseException as exc:
-        state.load_error = exc
-        log.error("model failed to load: %s", exc)
-        if on_load_error is not None:
-            on_load_error(exc)
-        return
+    engine = slot.loader(listeners, policy)
     engine.on_dead = on_engine_dead
     pool = engine.engine.kv_pool
     state.governance.attach(
+        slot.name,
         pool.num_blocks,
         pool.block_size,
         policy,
@@ -111,27 +111,47 @@ def _load(
     door = Door(
         state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
     )
-    serving = ServingContext(
-        engine, state.config.served_model_name, state.governance, door, state.usage, state.tracing
+    slot.serving = ServingContext(
+        engine, slot.name, state.governance, door, state.usage, state.tracing
     )
-    # Everything alive now (modules, model, tokenizer) lives as long as the server: keep it
-    # out of the garbage collector. A full collection walks every tracked object and holds
-    # the GIL throughout: over this heap it stopped the event loop and the engine for
-    # ~120 ms at a time under load, a quiet tenant's whole time to first token. Before the
-    # server reports ready, so no request meets the one collection here.
-    gc.collect()
-    gc.freeze()
-    state.serving = serving
-    state.ready.set()
     log.info(
         "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
-        state.config.served_model_name,
+        slot.name,
         engine.engine.load_seconds,
         pool.num_blocks,
         pool.block_size,
         pool.num_tokens,
         pool.bytes / 2**30,
     )
+
+
+def _load_all(
+    state: ServerState,
+    listeners: Callable[[str], Sequence[StatsListener]],
+    on_load_error: Callable[[BaseException], None] | None,
+    on_engine_dead: Callable[[BaseException], None] | None = None,
+) -> None:
+    """Every model in turn (one at a time: each load uses every core); the first that fails
+    to load stops the rest and is reported."""
+    try:
+        for slot in state.models:
+            try:
+                _load(state, slot, listeners(slot.name), on_engine_dead)
+            except BaseException as exc:
+                slot.load_error = exc
+                log.error("model %r failed to load: %s", slot.name, exc)
+                if on_load_error is not None:
+                    on_load_error(exc)
+                return
+            # Everything alive now (modules, model, tokenizer) lives as long as the server:
+            # keep it out of the garbage collector. A full collection walks every tracked
+            # object and holds the GIL throughout: over this heap it stopped the event loop
+            # and the engine for ~120 ms at a time under load, a quiet tenant's whole time
+            # to first token. Before the model serves, so no request meets the collection.
+            gc.collect()
+            gc.freeze()
+    finally:
+        state.ready.set()
 
 
 class _Aggregates:
@@ -165,19 +185,40 @@ def authenticate(request: Request) -> str:
     return tenant
 
 
-def serving(request: Request, _tenant: Annotated[str, Depends(authenticate)]) -> ServingContext:
-    """The engine, once loaded and alive; else 503 with a reason."""
-    state = _state(request)
-    if state.load_error is not None:
-        raise EngineDead(f"the model failed to load: {state.load_error}")
-    if state.serving is None:
-        raise ModelLoading()
-    if not state.serving.engine.is_running:
-        raise EngineDead("the engine loop has stopped; restart the server")
-    return state.serving
+class Router:
+    """Routes one authenticated caller's request to the model its body names."""
+
+    def __init__(self, state: ServerState, tenant: str) -> None:
+        self.state = state
+        self.tenant = tenant
+
+    def __call__(self, model: str | None) -> ServingContext:
+        """The model's serving context (see ``ServedModels.route``); a 403, 404 or 503
+        counts as the tenant's refusal."""
+        governance = self.state.governance
+        try:
+            return self.state.models.route(model, governance.spec(self.tenant))
+        except KVGateError as exc:
+            governance.count_refusal(self.tenant, exc.code)
+            raise
 
 
-Serving = Annotated[ServingContext, Depends(serving)]
+def router(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Router:
+    return Router(_state(request), tenant)
+
+
+Route = Annotated[Router, Depends(router)]
+
+
+def _warn_unknown_models(tenants: TenantsConfig, served: Sequence[str]) -> None:
+    """A tenant's ``models`` naming nothing served is likely a typo: say so at start-up."""
+    for name, spec in tenants.tenants.items():
+        unknown = [m for m in spec.models or () if m not in served]
+        if unknown:
+            log.warning(
+                "tenant %r may use model(s) %s, which this server does not serve (it serves %s)",
+                name, ", ".join(map(repr, unknown)), ", ".join(map(repr, served)),
+            )  # fmt: skip
 
 
 def _governance(config: ServerConfig) -> Governance:
@@ -217,27 +258,38 @@ def _reload_on_sighup(governance: Governance) -> None:
 
 def build_app(
     config: ServerConfig,
-    loader: EngineLoader,
+    loader: EngineLoader | Mapping[str, EngineLoader],
     *,
     on_load_error: Callable[[BaseException], None] | None = None,
     on_engine_dead: Callable[[BaseException], None] | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
-    """The app; ``tracer_provider`` turns on request traces (see ``server/tracing.py``)."""
+    """The app; ``loader`` builds the one model (served as ``config.served_model_name``),
+    or a mapping of served names to loaders builds several, the first being the default
+    for requests that name no model. ``tracer_provider`` turns on request traces (see
+    ``server/tracing.py``)."""
+    loaders = loader if isinstance(loader, Mapping) else {config.served_model_name: loader}
+    models = ServedModels([ModelSlot(name, load) for name, load in loaders.items()])
     tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
-    state = ServerState(config, _governance(config), _usage_ledger(config), tracing)
-    state.registry.register(EngineCollector(state.snapshot, config.served_model_name))
-    state.registry.register(TenantCollector(state.snapshot, state.governance))
+    state = ServerState(config, _governance(config), _usage_ledger(config), models, tracing)
+    _warn_unknown_models(state.governance.tenants, models.names)
+    state.registry.register(EngineCollector(state.snapshots))
+    state.registry.register(TenantCollector(state.snapshots, state.governance))
     ProcessCollector(registry=state.registry)
-    listener = PrometheusStatsListener(state.registry, config.served_model_name)
+    listener = PrometheusStatsListener(state.registry)
     recent = RecentLatencies()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        log.info("loading model %r ...", config.served_model_name)
+        log.info("loading model(s) %s ...", ", ".join(repr(n) for n in models.names))
         thread = threading.Thread(
-            target=_load,
-            args=(state, loader, [listener, recent], on_load_error, on_engine_dead),
+            target=_load_all,
+            args=(
+                state,
+                lambda name: [listener.for_model(name), recent],
+                on_load_error,
+                on_engine_dead,
+            ),
             name="kvgate-loader",
         )
         thread.start()
@@ -246,8 +298,9 @@ def build_app(
             yield
         finally:
             thread.join()
-            if state.serving is not None:
-                state.serving.engine.shutdown()
+            for slot in models:
+                if slot.serving is not None:
+                    slot.serving.engine.shutdown()
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes spans not yet exported
             state.usage.close()  # after the engine: every request settled is written
@@ -271,11 +324,14 @@ def build_app(
 
     @app.get("/health")
     def health() -> Response:
-        if state.serving is not None and state.serving.engine.is_running:
-            restarts = state.serving.engine.snapshot().recoveries
-            return JSONResponse({"status": "ok", "engine_restarts": restarts})
-        status = "loading" if state.load_error is None and state.serving is None else "unhealthy"
-        return JSONResponse({"status": status}, status_code=503)
+        statuses = {slot.name: slot.status for slot in models}
+        per_model = {"models": statuses} if len(statuses) > 1 else {}
+        if models.all_ready:
+            restarts = sum(snap.recoveries for snap in state.snapshots().values())
+            return JSONResponse({"status": "ok", "engine_restarts": restarts, **per_model})
+        loading = all(s in ("ready", "loading") for s in statuses.values())
+        status = "loading" if loading else "unhealthy"
+        return JSONResponse({"status": status, **per_model}, status_code=503)
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:
@@ -288,7 +344,13 @@ def build_app(
         )
 
     @app.get("/v1/models")
-    def models(ctx: Serving) -> dict[str, Any]:
+    def list_models(route: Route) -> dict[str, Any]:
+        """The models the caller may use that are ready to serve; while none of them is,
+        the 503 that says why (loading, or failed)."""
+        allowed = models.allowed(state.governance.spec(route.tenant))
+        ready = [slot.serving for slot in allowed if slot.status == "ready"]
+        if not ready and allowed:
+            allowed[0].check()
         return {
             "object": "list",
             "data": [
@@ -299,26 +361,30 @@ def build_app(
                     "owned_by": "kvgate",
                     "max_model_len": ctx.max_model_len,
                 }
+                for ctx in ready
+                if ctx is not None
             ],
         }
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request, ctx: Serving) -> Any:
+    async def chat(body: ChatCompletionRequest, request: Request, route: Route) -> Any:
+        ctx = route(body.model)
         try:
             return await create_chat_completion(ctx, body, request)
         except ClientDisconnected:
             return Response(status_code=499)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request, ctx: Serving) -> Any:
+    async def completions(body: CompletionRequest, request: Request, route: Route) -> Any:
+        ctx = route(body.model)
         try:
             return await create_completion(ctx, body, request)
         except ClientDisconnected:
             return Response(status_code=499)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, ctx: Serving) -> dict[str, Any]:
-        ctx.check_model(body.model)
+    async def tokenize(body: TokenizeRequest, route: Route) -> dict[str, Any]:
+        ctx = route(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
         ctx.door.check_sizes(body, None)
@@ -336,8 +402,8 @@ def build_app(
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")
-    def detokenize(body: DetokenizeRequest, ctx: Serving) -> dict[str, Any]:
-        ctx.check_model(body.model)
+    def detokenize(body: DetokenizeRequest, route: Route) -> dict[str, Any]:
+        ctx = route(body.model)
         vocab = ctx.engine.engine.model_config.vocab_size
         bad = [t for t in body.tokens if t >= vocab]
         if bad:

@@ -132,7 +132,6 @@ def _whole_message(reader: ToolCallReader, result: ChoiceResult) -> dict[str, An
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, http: HttpRequest
 ) -> JSONResponse | EventStream:
-    ctx.check_model(body.model)
     record = access_record(http)
     record.model = ctx.served_model_name
     ctx.door.enter(record.tenant or DEFAULT_TENANT, body)

@@ -85,7 +85,6 @@ def _choice(index: int, text: str, **fields: Any) -> dict[str, Any]:
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, http: HttpRequest
 ) -> JSONResponse | EventStream:
-    ctx.check_model(body.model)
     _check_unsupported(body)
     record = access_record(http)
     record.model = ctx.served_model_name

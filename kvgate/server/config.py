@@ -3,6 +3,18 @@
 The config file (TOML, or YAML by extension) uses the command-line flags' names, with dashes
 or underscores: ``port = 8080``, ``kv-cache-memory = "2GiB"``, ``no-prefix-caching = true``.
 Flags given on the command line win over the file.
+
+Several models go in a ``models`` list of tables, each with its ``model``, and optionally
+``name`` (the served name), ``kv_weight`` (its part of ``kv-cache-memory``) and engine
+settings of its own (``dtype``, ``max_model_len``, ``max_num_seqs``, ...)::
+
+    kv-cache-memory = "2GiB"
+    [[models]]
+    model = "smollm2"
+    kv_weight = 3
+    [[models]]
+    model = "gemma3-270m"
+    dtype = "float32"
 """
 
 from __future__ import annotations
@@ -79,6 +91,8 @@ def config_file_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     argv: list[str] = []
     for key, value in read_config_file(path).items():
         name = str(key).replace("_", "-")
+        if name == "models":
+            continue  # see config_file_models
         action = actions.get(name)
         if action is None or name in ("config", "help"):
             known = ", ".join(sorted(k for k in actions if k not in ("config", "help")))
@@ -100,3 +114,17 @@ def config_file_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
         else:
             argv += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
     return argv
+
+
+def config_file_models(path: str) -> list[dict[str, Any]]:
+    """The file's ``models`` list (empty without one); each entry a table with ``model``."""
+    raw = read_config_file(path).get("models")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+        raise InvalidConfig(
+            f"config file {path!r}: 'models' must be a non-empty list of tables, each with "
+            "its 'model'",
+            param="models",
+        )
+    return [dict(m) for m in raw]

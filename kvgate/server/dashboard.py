@@ -72,25 +72,31 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
     @app.get("/dashboard/data")
     def data(request: Request) -> dict[str, Any]:
         state = request.app.state.kvgate
-        snap = state.snapshot()  # the engine's latest published state, one moment
+        snaps = state.snapshots()  # each model's latest published state, one moment each
         # Tenants' names and use only for a metrics or admin key (or an open server).
         observer = state.governance.tenants.may_observe(request.headers.get("authorization"))
         out: dict[str, Any] = {
-            "model": state.config.served_model_name,
-            "ready": snap is not None,
+            "model": ", ".join(state.models.names),
+            "ready": bool(snaps),
             "tenants_hidden": not observer,
         }
-        if snap is None:
+        if not snaps:
             return out
+        blocks = sum(s.kv_blocks for s in snaps.values())
+        used = sum(s.kv_used for s in snaps.values())
         out.update(
-            running=snap.running,
-            waiting=snap.waiting,
+            running=sum(s.running for s in snaps.values()),
+            waiting=sum(s.waiting for s in snaps.values()),
             kv={
-                "blocks": snap.kv_blocks,
-                "used": snap.kv_used,
-                "cached": snap.kv_cached,
-                "free": snap.kv_free,
-                "usage": round(snap.kv_usage, 4),
+                "blocks": blocks,
+                "used": used,
+                "cached": sum(s.kv_cached for s in snaps.values()),
+                "free": sum(s.kv_free for s in snaps.values()),
+                "usage": round(used / max(blocks, 1), 4),
+            },
+            models={
+                name: {"running": s.running, "waiting": s.waiting, "kv_usage": round(s.kv_usage, 4)}
+                for name, s in snaps.items()
             },
             tenants=[]
             if not observer
@@ -103,7 +109,7 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
                     "waiting": row["waiting"],
                     "priority": row["priority"],
                 }
-                for name, row in state.governance.report(snap).items()
+                for name, row in state.governance.report(snaps).items()
             ],
             latency=recent.summary(),
         )

@@ -123,10 +123,8 @@ class Door:
             raise AuthenticationFailed(f"tenant {tenant!r} no longer exists: its key is revoked")
         spec = tenants.spec(tenant)
         try:
-            gate = self.governance.gate
-            if gate is not None:
-                choices = (body.n or 1) * _num_prompts(body)
-                gate.charge_requests(spec, choices)
+            # The tenant's requests per minute, over every model of the server.
+            self.governance.rates.charge_requests(spec, (body.n or 1) * _num_prompts(body))
             self.check_sizes(body, spec)
         except KVGateError as exc:
             self.governance.count_refusal(tenant, exc.code)

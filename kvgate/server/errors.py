@@ -8,6 +8,7 @@ traceback goes to the server log).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,9 +33,23 @@ log = logging.getLogger("kvgate.server")
 class ModelNotServed(KVGateError):
     code = "model_not_found"
 
-    def __init__(self, model: str, served: str) -> None:
+    def __init__(self, model: str, served: str | Sequence[str]) -> None:
+        names = ", ".join(repr(n) for n in ([served] if isinstance(served, str) else served))
         super().__init__(
-            f"The model {model!r} does not exist; this server serves {served!r}", param="model"
+            f"The model {model!r} does not exist; this server serves {names}", param="model"
+        )
+
+
+class ModelNotAllowed(PermissionDenied):
+    """A tenant limited to some models (``models`` in the tenants file) asked for another."""
+
+    code = "model_not_allowed"
+
+    def __init__(self, model: str, tenant: str, allowed: Sequence[str]) -> None:
+        super().__init__(
+            f"tenant {tenant!r} may not use model {model!r}; it may use "
+            + ", ".join(repr(m) for m in allowed),
+            param="model",
         )
 
 

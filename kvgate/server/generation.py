@@ -31,7 +31,7 @@ from kvgate.governance.usage import Counts, UsageLedger
 from kvgate.sampling_params import SamplingParams
 from kvgate.server.access_log import AccessRecord, access_record
 from kvgate.server.door import Door
-from kvgate.server.errors import ModelNotServed, error_body, status_of
+from kvgate.server.errors import error_body, status_of
 from kvgate.server.governance import Admission, Governance, RequestContext
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.server.streaming import SSE_DONE, EventStream, sse, unless_disconnected
@@ -63,11 +63,6 @@ class ServingContext:
     def model_version(self) -> str:
         """What served the request, for usage records."""
         return f"{self.served_model_name}@kvgate-{kvgate.__version__}"
-
-    def check_model(self, model: str | None) -> None:
-        """A body naming another model is a 404, as with OpenAI; no name means ours."""
-        if model is not None and model != self.served_model_name:
-            raise ModelNotServed(model, self.served_model_name)
 
 
 def sampling_params(
@@ -127,7 +122,7 @@ def build_choices(
         room = ctx.max_model_len - len(prompt)
         if room <= 0 or (max_tokens is not None and max_tokens > room):
             raise PromptTooLong(len(prompt), max_tokens or 1, ctx.max_model_len)
-        allowed = ctx.governance.room_for(context.tenant, len(prompt))
+        allowed = ctx.governance.room_for(context.tenant, len(prompt), ctx.served_model_name)
         if allowed is not None:
             # At least one token: a prompt already over a limit is refused by admission,
             # naming that limit.
@@ -180,10 +175,11 @@ def admit_choices(
     record = access_record(http)
     tenant = record.tenant or DEFAULT_TENANT
     try:
-        gate = ctx.governance.gate
+        model = ctx.served_model_name
+        gate = ctx.governance.gate(model)
         choices = (body.n or 1) * len(prompts)
         ctx.engine.check_capacity(choices, gate.total_in_flight if gate is not None else None)
-        ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity)
+        ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity, model)
         timeout = body.timeout if body.timeout is not None else _header_timeout(http)
         context = ctx.governance.context(tenant, timeout, http.headers.get("authorization"))
         requests = build_choices(
@@ -193,7 +189,8 @@ def admit_choices(
     except KVGateError as exc:
         ctx.governance.count_refusal(tenant, exc.code)
         raise
-    admission = ctx.governance.admit(tenant, requests, paid=True)  # charged at the door
+    # Charged at the door.
+    admission = ctx.governance.admit(tenant, requests, model=ctx.served_model_name, paid=True)
     n = body.n or 1
     row = ctx.usage.admit(
         record.request_id, tenant, ctx.served_model_name, ctx.model_version,

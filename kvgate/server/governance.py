@@ -4,6 +4,11 @@ the refusals counted by reason. The scheduling itself happens in the engine's po
 A reload (SIGHUP or ``POST /admin/reload``) swaps the tenants config atomically: requests
 already admitted keep running; an invalid file is refused with its error and the old config
 stays in force.
+
+A server of several models has one engine, KV pool and scheduling policy per model: each is
+attached under its served name with a ``TenantGate`` of its own (KV ceilings and queue
+shares are shares of that model's pool and slots), while the tenants' rates and
+``max_concurrent`` are one ``TenantRates`` for the whole server.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +26,7 @@ from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvgate.errors import InvalidConfig, KVGateError
-from kvgate.governance.admission import TenantGate, Ticket
+from kvgate.governance.admission import TenantGate, TenantRates, Ticket
 from kvgate.governance.tenants import TenantsConfig, TenantSpec
 
 log = logging.getLogger("kvgate.server")
@@ -50,6 +55,19 @@ class Admission:
             ticket.release(self.used.get(i))
 
 
+@dataclass(frozen=True)
+class _Pool:
+    """One model's engine, as governance sees it."""
+
+    gate: TenantGate
+    policy: TenantFairPolicy | None
+    run_in_engine: Callable[[Callable[[], None]], None]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gate.num_blocks
+
+
 class Governance:
     def __init__(
         self,
@@ -62,28 +80,33 @@ class Governance:
         self.extra_metrics_keys = metrics_keys
         self.tenants = self._with_metrics_keys(tenants)
         self.tenants_file = tenants_file
-        self.gate: TenantGate | None = None
-        self.policy: TenantFairPolicy | None = None
-        self._apply_policy: Callable[[Callable[[], None]], None] | None = None
-        self.num_blocks = 0
+        #: Rate buckets and requests in flight per tenant, across every model.
+        self.rates = TenantRates()
+        self._pools: dict[str, _Pool] = {}  # by served model name, as attached
         self.refusals: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()  # reload may come from a signal handler's thread
 
     def attach(
         self,
+        model: str,
         num_blocks: int,
         block_size: int,
         policy: TenantFairPolicy | None,
         run_in_engine: Callable[[Callable[[], None]], None],
         blocks_for: Callable[[int], int] | None = None,
     ) -> None:
-        """The engine is ready: size quotas against its pool and hand the policy its shares.
-        ``blocks_for``: see ``TenantGate``."""
-        self.num_blocks = num_blocks
-        self.gate = TenantGate(num_blocks, block_size, blocks_for=blocks_for)
-        self.policy = policy
-        self._apply_policy = run_in_engine
-        self._push_shares(self.tenants)
+        """``model``'s engine is ready: size quotas against its pool and hand its policy the
+        shares. ``blocks_for``: see ``TenantGate``."""
+        gate = TenantGate(num_blocks, block_size, blocks_for=blocks_for, rates=self.rates)
+        pool = _Pool(gate, policy, run_in_engine)
+        with self._lock:
+            self._pools[model] = pool
+            self._push_shares(pool, self.tenants)
+
+    def gate(self, model: str) -> TenantGate | None:
+        """``model``'s admission gate; None until its engine is attached."""
+        pool = self._pools.get(model)
+        return pool.gate if pool is not None else None
 
     def _with_metrics_keys(self, tenants: TenantsConfig) -> TenantsConfig:
         if not self.extra_metrics_keys:
@@ -111,30 +134,36 @@ class Governance:
             queue_deadline=None if spec.max_queue_time is None else now + spec.max_queue_time,
         )
 
-    def admit(self, tenant: str, requests: Sequence[Request], *, paid: bool = False) -> Admission:
-        """Admit every choice or none (raises the refusal, counted by its code). ``paid``:
-        the choices' requests were charged at the door (``TenantGate.charge_requests``)."""
-        assert self.gate is not None, "admission before the engine is ready"
+    def admit(
+        self, tenant: str, requests: Sequence[Request], *, model: str, paid: bool = False
+    ) -> Admission:
+        """Admit every choice into ``model``'s engine, or none (raises the refusal, counted
+        by its code). ``paid``: the choices' requests were charged at the door
+        (``TenantRates.charge_requests``)."""
+        gate = self.gate(model)
+        assert gate is not None, "admission before the engine is ready"
         sizes = [(r.num_prompt_tokens, r.params.max_tokens) for r in requests]
         try:
-            tickets = self.gate.admit_all(self.spec(tenant), sizes, paid=paid)
+            tickets = gate.admit_all(self.spec(tenant), sizes, paid=paid)
         except KVGateError as exc:
             self.count_refusal(tenant, exc.code)
             raise
         return Admission(tickets)
 
-    def check_queue_share(self, tenant: str, n: int, capacity: int | None) -> None:
-        """See ``TenantGate.check_queue_share``; nothing to check without a queue limit."""
-        if self.gate is None or capacity is None:
+    def check_queue_share(self, tenant: str, n: int, capacity: int | None, model: str) -> None:
+        """See ``TenantGate.check_queue_share`` (``model``'s slots); nothing to check without
+        a queue limit."""
+        gate = self.gate(model)
+        if gate is None or capacity is None:
             return
         tenants = self.tenants
-        self.gate.check_queue_share(
-            tenants.spec(tenant), n, capacity, lambda t: tenants.spec(t).weight
-        )
+        gate.check_queue_share(tenants.spec(tenant), n, capacity, lambda t: tenants.spec(t).weight)
 
-    def room_for(self, tenant: str, prompt_tokens: int) -> int | None:
-        """See ``TenantGate.room_for``; None before the engine is ready or without limits."""
-        return self.gate.room_for(self.spec(tenant), prompt_tokens) if self.gate else None
+    def room_for(self, tenant: str, prompt_tokens: int, model: str) -> int | None:
+        """See ``TenantGate.room_for`` (``model``'s pool); None before its engine is ready or
+        without limits."""
+        gate = self.gate(model)
+        return gate.room_for(self.spec(tenant), prompt_tokens) if gate is not None else None
 
     def count_refusal(self, tenant: str, reason: str) -> None:
         self.refusals[(tenant, reason)] += 1
@@ -146,48 +175,81 @@ class Governance:
         with self._lock:
             new = self._with_metrics_keys(TenantsConfig.load(self.tenants_file))
             self.tenants = new
-            self._push_shares(new)
+            for pool in self._pools.values():
+                self._push_shares(pool, new)
         log.info("tenants reloaded from %s: %s", self.tenants_file, ", ".join(sorted(new.tenants)))
         return new
 
-    def report(self, snapshot: EngineSnapshot | None) -> dict[str, dict[str, Any]]:
-        """Per-tenant accounting and quota use (for /admin/tenants and /metrics), from the
-        engine's latest snapshot (None: no engine yet) and this server's refusals."""
+    def report(self, snapshots: Mapping[str, EngineSnapshot]) -> dict[str, dict[str, Any]]:
+        """Per-tenant accounting and quota use (for /admin/tenants and /metrics), from each
+        model's latest engine snapshot (absent: not loaded yet) and this server's refusals.
+
+        Each row has the tenant's figures over all models, and under ``models`` those of
+        each model whose engine is attached (KV blocks and quotas are per pool)."""
         tenants = self.tenants
         refusal_items = list(self.refusals.items())  # a copy: the event loop adds to it
+        pools = dict(self._pools)
         names = set(tenants.tenants) | {t for (t, _), _ in refusal_items}
-        engine_rows = snapshot.tenants if snapshot is not None else {}
-        names |= set(engine_rows)
+        for snap in snapshots.values():
+            names |= set(snap.tenants)
         out: dict[str, dict[str, Any]] = {}
         for name in sorted(names):
             spec = tenants.spec(name)
-            share = spec.share(self.num_blocks)
-            row = engine_rows.get(name) or TenantSnapshot()
+            per_model = {
+                model: _model_row(spec, pool, snapshots.get(model)) for model, pool in pools.items()
+            }
+            finished: Counter[str] = Counter()
+            for row in per_model.values():
+                finished.update(row["finished"])
             out[name] = {
                 "priority": spec.priority,
                 "weight": spec.weight,
-                "kv_blocks_held": row.kv_blocks,
-                "kv_guaranteed_blocks": share.guaranteed_blocks,
-                "kv_ceiling_blocks": (
-                    share.ceiling_blocks if share.ceiling_blocks is not None else self.num_blocks
-                ),
-                "running": row.running,
-                "waiting": row.waiting,
-                "in_flight": self.gate.in_flight(name) if self.gate is not None else 0,
-                "prompt_tokens": row.prompt_tokens,
-                "generation_tokens": row.generation_tokens,
-                "kv_block_seconds": round(row.kv_block_seconds, 3),
-                "prefix_cache_queries": row.prefix_queries,
-                "prefix_cache_hits": row.prefix_hits,
-                "finished": dict(row.finished),
+                **{key: _total(per_model, key) for key in _SUMMED},
+                "in_flight": self.rates.in_flight(name),
+                "finished": dict(finished),
                 "refusals": {r: n for (t, r), n in refusal_items if t == name},
+                "models": per_model,
             }
         return out
 
-    def _push_shares(self, tenants: TenantsConfig) -> None:
-        policy, run = self.policy, self._apply_policy
-        if policy is None or run is None:
+    def _push_shares(self, pool: _Pool, tenants: TenantsConfig) -> None:
+        if pool.policy is None:
             return
-        shares = tenants.shares(self.num_blocks)
+        policy = pool.policy
+        shares = tenants.shares(pool.num_blocks)
         default = TenantShare()
-        run(lambda: policy.update(shares, default))
+        pool.run_in_engine(lambda: policy.update(shares, default))
+
+
+#: Per-model figures that add up over models in a tenant's row.
+_SUMMED = (
+    "kv_blocks_held", "kv_guaranteed_blocks", "kv_ceiling_blocks", "running", "waiting",
+    "prompt_tokens", "generation_tokens", "kv_block_seconds", "prefix_cache_queries",
+    "prefix_cache_hits",
+)  # fmt: skip
+
+
+def _total(rows: Mapping[str, Mapping[str, Any]], key: str) -> Any:
+    total = sum(row[key] for row in rows.values())
+    return round(total, 3) if isinstance(total, float) else total
+
+
+def _model_row(spec: TenantSpec, pool: _Pool, snap: EngineSnapshot | None) -> dict[str, Any]:
+    share = spec.share(pool.num_blocks)
+    row = (snap.tenants.get(spec.name) if snap is not None else None) or TenantSnapshot()
+    return {
+        "kv_blocks_held": row.kv_blocks,
+        "kv_guaranteed_blocks": share.guaranteed_blocks,
+        "kv_ceiling_blocks": (
+            share.ceiling_blocks if share.ceiling_blocks is not None else pool.num_blocks
+        ),
+        "running": row.running,
+        "waiting": row.waiting,
+        "in_flight": pool.gate.in_flight(spec.name),
+        "prompt_tokens": row.prompt_tokens,
+        "generation_tokens": row.generation_tokens,
+        "kv_block_seconds": round(row.kv_block_seconds, 3),
+        "prefix_cache_queries": row.prefix_queries,
+        "prefix_cache_hits": row.prefix_hits,
+        "finished": dict(row.finished),
+    }

@@ -7,11 +7,14 @@ Two sources, one registry per app (no process-global registry):
   the pool back at its baseline, and never a state torn between two moments;
 - ``PrometheusStatsListener`` turns each step's ``IterationStats`` into histograms (TTFT,
   inter-token latency, end-to-end, queue, prefill, decode) and token counters.
+
+Every engine figure carries ``model_name``: a server of several models has one series per
+model in each family (and per tenant and model in the per-tenant ones).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,118 +40,139 @@ LABELS = ("model_name",)
 
 
 class EngineCollector(Collector):
-    """The engine's latest snapshot; yields nothing until the engine exists."""
+    """Each loaded model's latest engine snapshot; nothing for a model not loaded yet."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot | None], model_name: str) -> None:
-        self._snapshot = snapshot
-        self._model_name = model_name
+    def __init__(self, snapshots: Callable[[], Mapping[str, EngineSnapshot]]) -> None:
+        self._snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()  # one moment: every figure below comes from it
-        if snap is None:
+        snaps = self._snapshots()  # one moment per model: its figures below all come from it
+        if not snaps:
             return
-        labels = [self._model_name]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(labels, value)
-            return g
+        def add(
+            kind: type[GaugeMetricFamily | CounterMetricFamily],
+            name: str,
+            doc: str,
+            labels: list[str],
+            value: float,
+            extra: tuple[str, ...] = (),
+        ) -> None:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = kind(name, doc, labels=(*LABELS, *extra))
+            family.add_metric(labels, value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(labels, value)
-            return c
-
-        info = GaugeMetricFamily(
-            "kvgate:build_info",
-            "What this server runs, always 1: the CPU ISA level the native kernels were built "
-            "for, the compute dtype, and each op's kernel path (or torch).",
-            labels=[*LABELS, *snap.build_info],
-        )
-        info.add_metric([*labels, *snap.build_info.values()], 1)
-        yield info
-        yield counter(
-            "kvgate:engine_restarts",
-            "Times the engine's supervisor ended every request in flight after an unexpected "
-            "error in a step and carried on.",
-            snap.recoveries,
-        )
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", snap.running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", snap.waiting)
-        yield counter(
-            "kvgate:engine_requests_added",
-            "Requests handed to the engine's scheduler (running + waiting + finished).",
-            snap.added,
-        )
-        yield counter(
-            "kvgate:engine_requests_finished",
-            "Requests that ended in the engine, any way (finished, aborted, refused, expired).",
-            snap.finished,
-        )
-        yield counter("kvgate:engine_steps", "Engine steps run.", snap.steps)
-        yield gauge(
-            "kvgate:num_requests_running_spare",
-            "Running requests in spare slots beyond max_num_seqs (instead of preempting).",
-            snap.running_spare,
-        )
-        yield gauge(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV-cache blocks in use (1 = full).",
-            snap.kv_usage,
-        )
-        yield counter(
-            "kvgate:kv_window_freed_blocks",
-            "KV blocks given back because they fell out of every sliding window that reads them.",
-            snap.kv_window_freed,
-        )
-        yield counter(
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            snap.prefix_queries,
-        )
-        yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_hits
-        )
-        yield counter(
-            "vllm:num_preemptions", "Requests preempted for lack of KV blocks.", snap.preemptions
-        )
-        blocks = GaugeMetricFamily(
-            "kvgate:kv_cache_blocks",
-            "KV-cache blocks by state: used (held by requests), cached (free but holding a "
-            "reusable prefix), free.",
-            labels=(*LABELS, "state"),
-        )
-        yield gauge(
-            "kvgate:kv_fragmentation_ratio",
-            "Reserved but unfilled KV slots over reserved slots (running requests).",
-            snap.kv_fragmentation,
-        )
-        by_reason = CounterMetricFamily(
+        # Exported even while no model has preempted anything (dashboards and rules read it).
+        families["kvgate:preemptions"] = CounterMetricFamily(
             "kvgate:preemptions",
             "Preemptions by cause: pool (no free block), quota (tenant ceiling), slot.",
             labels=(*LABELS, "reason"),
         )
-        for reason, n in snap.preemptions_by_reason.items():
-            by_reason.add_metric([*labels, reason], n)
-        yield by_reason
-        blocks.add_metric([*labels, "used"], snap.kv_used)
-        blocks.add_metric([*labels, "cached"], snap.kv_cached)
-        blocks.add_metric([*labels, "free"], snap.kv_free)
-        yield blocks
+        keys = sorted({k for snap in snaps.values() for k in snap.build_info})
+        for model, snap in snaps.items():
+            m = [model]
+
+            def gauge(name: str, doc: str, value: float, m: list[str] = m) -> None:
+                add(GaugeMetricFamily, name, doc, m, value)
+
+            def counter(name: str, doc: str, value: float, m: list[str] = m) -> None:
+                add(CounterMetricFamily, name, doc, m, value)
+
+            add(
+                GaugeMetricFamily,
+                "kvgate:build_info",
+                "What this server runs, always 1: the CPU ISA level the native kernels were "
+                "built for, the compute dtype, and each op's kernel path (or torch).",
+                [*m, *(snap.build_info.get(k, "") for k in keys)],
+                1,
+                tuple(keys),
+            )
+            counter(
+                "kvgate:engine_restarts",
+                "Times the engine's supervisor ended every request in flight after an "
+                "unexpected error in a step and carried on.",
+                snap.recoveries,
+            )
+            gauge("vllm:num_requests_running", "Requests in the running batch.", snap.running)
+            gauge("vllm:num_requests_waiting", "Requests waiting to run.", snap.waiting)
+            counter(
+                "kvgate:engine_requests_added",
+                "Requests handed to the engine's scheduler (running + waiting + finished).",
+                snap.added,
+            )
+            counter(
+                "kvgate:engine_requests_finished",
+                "Requests that ended in the engine, any way (finished, aborted, refused, expired).",
+                snap.finished,
+            )
+            counter("kvgate:engine_steps", "Engine steps run.", snap.steps)
+            gauge(
+                "kvgate:num_requests_running_spare",
+                "Running requests in spare slots beyond max_num_seqs (instead of preempting).",
+                snap.running_spare,
+            )
+            gauge(
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (1 = full).",
+                snap.kv_usage,
+            )
+            counter(
+                "kvgate:kv_window_freed_blocks",
+                "KV blocks given back because they fell out of every sliding window that "
+                "reads them.",
+                snap.kv_window_freed,
+            )
+            counter(
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                snap.prefix_queries,
+            )
+            counter(
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                snap.prefix_hits,
+            )
+            counter(
+                "vllm:num_preemptions",
+                "Requests preempted for lack of KV blocks.",
+                snap.preemptions,
+            )
+            gauge(
+                "kvgate:kv_fragmentation_ratio",
+                "Reserved but unfilled KV slots over reserved slots (running requests).",
+                snap.kv_fragmentation,
+            )
+            for reason, n in snap.preemptions_by_reason.items():
+                families["kvgate:preemptions"].add_metric([*m, reason], n)
+            for state, n in (
+                ("used", snap.kv_used), ("cached", snap.kv_cached), ("free", snap.kv_free)
+            ):  # fmt: skip
+                add(
+                    GaugeMetricFamily,
+                    "kvgate:kv_cache_blocks",
+                    "KV-cache blocks by state: used (held by requests), cached (free but "
+                    "holding a reusable prefix), free.",
+                    [*m, state],
+                    n,
+                    ("state",),
+                )
+        yield from families.values()
 
 
 class TenantCollector(Collector):
     """Per-tenant accounting (tenant label), read live at scrape time."""
 
     def __init__(
-        self, snapshot: Callable[[], EngineSnapshot | None], governance: Governance
+        self, snapshots: Callable[[], Mapping[str, EngineSnapshot]], governance: Governance
     ) -> None:
-        self._snapshot = snapshot
+        self._snapshots = snapshots
         self._governance = governance
 
     def collect(self) -> Iterator[Metric]:
-        report = self._governance.report(self._snapshot())
-        tl = ("tenant",)
+        report = self._governance.report(self._snapshots())
+        tl = ("tenant", *LABELS)  # engine figures: per tenant and model
 
         def family(
             kind: type[CounterMetricFamily | GaugeMetricFamily],
@@ -179,7 +203,7 @@ class TenantCollector(Collector):
             CounterMetricFamily,
             "kvgate:tenant_refusals",
             "Requests refused, by reason (the error code).",
-            (*tl, "reason"),
+            ("tenant", "reason"),
         )
         finished = family(
             CounterMetricFamily,
@@ -205,21 +229,23 @@ class TenantCollector(Collector):
         )
         waiting_by_class: dict[str, int] = {p: 0 for p in PRIORITIES}
         for tenant, row in report.items():
-            prompt.add_metric([tenant], row["prompt_tokens"])
-            gen.add_metric([tenant], row["generation_tokens"])
-            block_s.add_metric([tenant], row["kv_block_seconds"])
-            held.add_metric([tenant], row["kv_blocks_held"])
-            quota.add_metric([tenant, "guaranteed"], row["kv_guaranteed_blocks"])
-            quota.add_metric([tenant, "ceiling"], row["kv_ceiling_blocks"])
-            requests.add_metric([tenant, "running"], row["running"])
-            requests.add_metric([tenant, "waiting"], row["waiting"])
             for reason, n in row["refusals"].items():
                 refusals.add_metric([tenant, reason], n)
-            for reason, n in row["finished"].items():
-                finished.add_metric([tenant, reason], n)
-            queries.add_metric([tenant], row["prefix_cache_queries"])
-            hits.add_metric([tenant], row["prefix_cache_hits"])
             waiting_by_class[row["priority"]] += row["waiting"]
+            for model, mrow in row["models"].items():
+                t = [tenant, model]
+                prompt.add_metric(t, mrow["prompt_tokens"])
+                gen.add_metric(t, mrow["generation_tokens"])
+                block_s.add_metric(t, mrow["kv_block_seconds"])
+                held.add_metric(t, mrow["kv_blocks_held"])
+                quota.add_metric([*t, "guaranteed"], mrow["kv_guaranteed_blocks"])
+                quota.add_metric([*t, "ceiling"], mrow["kv_ceiling_blocks"])
+                requests.add_metric([*t, "running"], mrow["running"])
+                requests.add_metric([*t, "waiting"], mrow["waiting"])
+                for reason, n in mrow["finished"].items():
+                    finished.add_metric([*t, reason], n)
+                queries.add_metric(t, mrow["prefix_cache_queries"])
+                hits.add_metric(t, mrow["prefix_cache_hits"])
         for priority, n in waiting_by_class.items():
             depth.add_metric([priority], n)
         yield from (prompt, gen, block_s, held, quota, requests, refusals, finished)
@@ -227,10 +253,10 @@ class TenantCollector(Collector):
 
 
 class PrometheusStatsListener:
-    """Receives ``IterationStats`` on the engine thread (prometheus_client is thread-safe)."""
+    """The per-step histograms and counters of every model; each model's engine reports to
+    its ``for_model`` view, on its engine thread (prometheus_client is thread-safe)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, registry: CollectorRegistry) -> None:
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, LABELS, registry=registry, buckets=buckets)
@@ -277,8 +303,11 @@ class PrometheusStatsListener:
             (*LABELS, "finished_reason"),
         )
 
-    def on_step(self, stats: IterationStats) -> None:
-        m = self.model_name
+    def for_model(self, model_name: str) -> ModelStatsListener:
+        return ModelStatsListener(self, model_name)
+
+    def on_step(self, model_name: str, stats: IterationStats) -> None:
+        m = model_name
         if stats.batch_size:
             self.iter_tokens.labels(m).observe(stats.num_batched_tokens)
             self.batch_size.labels(m).observe(stats.batch_size)
@@ -301,3 +330,14 @@ class PrometheusStatsListener:
             self.decode.labels(m).observe(f.metrics.decode_seconds)
             self.req_prompt.labels(m).observe(f.num_prompt_tokens)
             self.req_gen.labels(m).observe(f.num_output_tokens)
+
+
+class ModelStatsListener:
+    """One model's engine's ``StatsListener``: its steps, under its ``model_name``."""
+
+    def __init__(self, metrics: PrometheusStatsListener, model_name: str) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def on_step(self, stats: IterationStats) -> None:
+        self.metrics.on_step(self.model_name, stats)

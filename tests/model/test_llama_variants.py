@@ -16,7 +16,7 @@ from kvgate.entrypoints.llm import LLM
 from kvgate.tokenizer import Tokenizer
 from tests.gguf_writer import write_gguf
 from tests.hf_reference import hf_greedy
-from tests.tiny_model import TINY_LLAMA
+from tests.tiny_model import TINY_LLAMA, tiny_qwen3
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # original_max_position_embeddings=64 puts prompt positions in all three llama3 regions.
@@ -42,20 +42,13 @@ def _build(directory: Path, tokenizer: Tokenizer, variant: str) -> Path:
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(3)
     overrides = dict(VARIANTS[variant])
     model_type = overrides.pop("model_type", None)
     if model_type == "qwen3":
-        model: Any = Qwen3ForCausalLM(Qwen3Config(**TINY_LLAMA, head_dim=16))
-        # HF initialises norms to one; make q_norm and k_norm matter.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        model: Any = tiny_qwen3()
     elif model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
         # HF initialises biases to zero; make them matter.

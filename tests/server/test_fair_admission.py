@@ -43,7 +43,7 @@ def test_a_flood_leaves_queue_slots_for_another_tenant(
     try:
         for t in threads:
             t.start()
-        gate = live.state.governance.gate
+        gate = live.state.governance.gate("tiny")
         assert gate is not None
         deadline = time.monotonic() + 10
         while len(statuses) < 10:

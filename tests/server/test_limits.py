@@ -170,7 +170,7 @@ def test_metrics_show_tenants_only_to_a_metrics_or_admin_key(live_server: LiveSe
     full = httpx.get(
         f"{live_server.base_url}/metrics", headers={"authorization": f"Bearer {METRICS_KEY}"}
     ).text
-    assert 'kvgate:tenant_prompt_tokens_total{tenant="team-a"}' in full
+    assert 'kvgate:tenant_prompt_tokens_total{model_name="tiny",tenant="team-a"}' in full
 
 
 def test_the_api_schema_needs_a_key(live_server: LiveServer) -> None:
