@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.errors import PromptTooLong, TenantLimitExceeded
-from kvgate.governance.admission import RateLimited, TenantGate
+from kvgate.governance.admission import RateLimited, TenantGate, TenantRates
 from kvgate.governance.tenants import TenantSpec
 
 
@@ -142,3 +142,41 @@ def test_queue_shares_follow_weights() -> None:
     assert fill(big) == 14
     # small's share is 15 * 1/4 = 3.75: it grows from 1 to 3, past the reserve line.
     assert fill(small) == 2
+
+
+def test_gates_of_several_models_share_rates_but_not_pools() -> None:
+    """One gate per model's pool: KV ceilings and queue counts are each pool's, while the
+    tenant's rates and max_concurrent are one ``TenantRates`` for the whole server."""
+    clock = Clock()
+    rates = TenantRates(clock)
+    big = TenantGate(num_blocks=100, block_size=16, clock=clock, rates=rates)
+    small = TenantGate(num_blocks=10, block_size=16, clock=clock, rates=rates)
+    spec = TenantSpec("a", max_concurrent=2, tokens_per_minute=300, kv_ceiling=0.5)
+    first = big.admit(spec, 100, 100)
+    second = small.admit(spec, 10, 10)
+    assert (big.in_flight("a"), small.in_flight("a"), rates.in_flight("a")) == (1, 1, 2)
+    assert big.total_in_flight == 1 and small.total_in_flight == 1
+    with pytest.raises(RateLimited, match="max_concurrent=2"):
+        big.admit(spec, 1, 1)  # two in flight, one in each model
+    second.release(0)  # its 20 tokens given back: 300 - 200 left
+    # The ceiling is half of each pool: 50 blocks (800 tokens) in one, 5 (80) in the other.
+    assert big.room_for(spec, 0) == 300 and small.room_for(spec, 0) == 80
+    with pytest.raises(TenantLimitExceeded, match="kv_ceiling=5"):
+        small.admit(spec, 100, 1)
+    # Tokens per minute over both models: the first model's 200 count in the second's.
+    with pytest.raises(RateLimited, match="tokens_per_minute"):
+        big.admit(spec, 60, 60)
+    first.release()
+    assert rates.in_flight("a") == 0
+    assert big.headers("a") == small.headers("a")
+
+
+def test_requests_per_minute_are_charged_once_for_the_server() -> None:
+    clock = Clock()
+    rates = TenantRates(clock)
+    gates = [TenantGate(100, 16, clock=clock, rates=rates) for _ in range(2)]
+    spec = TenantSpec("a", requests_per_minute=2)
+    gates[0].charge_requests(spec, 1)
+    gates[1].charge_requests(spec, 1)
+    with pytest.raises(RateLimited, match="requests_per_minute=2"):
+        rates.charge_requests(spec, 1)

@@ -57,6 +57,14 @@ def test_a_valid_file(tmp_path: Path) -> None:
     assert b"sk-search" not in repr(config.keys).encode()
 
 
+def test_models_a_tenant_may_use(tmp_path: Path) -> None:
+    text = "[tenants.a]\nkeys = ['k']\nmodels = ['smollm2', 'gemma']\n[tenants.b]\nkeys = ['j']\n"
+    config = TenantsConfig.load(write(tmp_path, text))
+    assert config.spec("a").models == ("smollm2", "gemma")
+    assert config.spec("a").allows("gemma") and not config.spec("a").allows("qwen")
+    assert config.spec("b").models is None and config.spec("b").allows("anything")
+
+
 def test_yaml_works_too(tmp_path: Path) -> None:
     text = "tenants:\n  a:\n    keys: [sk-a]\n    weight: 2\n"
     config = TenantsConfig.load(write(tmp_path, text, "tenants.yaml"))
@@ -80,6 +88,8 @@ def test_yaml_works_too(tmp_path: Path) -> None:
         ("[tenants.a]\nweight = 1\n", "no tenant has any key"),
         ("tenant = 1\n", "unknown top-level"),
         ("[tenants.a\n", "is not valid"),
+        ("[tenants.a]\nkeys = ['k']\nmodels = 'smollm2'\n", "a non-empty list of served model"),
+        ("[tenants.a]\nkeys = ['k']\nmodels = []\n", "a non-empty list of served model"),
     ],
 )
 def test_mistakes_are_named(tmp_path: Path, text: str, message: str) -> None:

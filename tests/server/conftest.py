@@ -7,7 +7,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +51,19 @@ def _free_port() -> int:
         return port
 
 
-def start_server(engine_config: EngineConfig, config: ServerConfig) -> LiveServer:
-    """Start uvicorn on a thread and wait until /health says the model is ready."""
+def start_server(
+    engine_config: EngineConfig | Mapping[str, EngineConfig], config: ServerConfig
+) -> LiveServer:
+    """Start uvicorn on a thread and wait until /health says the model is ready; a mapping
+    of served names to configs serves several models (the first is the default)."""
     port = _free_port()
     usage_db = config.usage_db or str(Path(tempfile.mkdtemp(prefix="kvgate-usage-")) / "u.db")
     config = ServerConfig(**{**config.__dict__, "port": port, "usage_db": usage_db})
-    app = build_app(config, engine_loader(engine_config, config.max_queue_len))
+    if isinstance(engine_config, Mapping):
+        loaders = {n: engine_loader(c, config.max_queue_len) for n, c in engine_config.items()}
+        app = build_app(config, loaders)
+    else:
+        app = build_app(config, engine_loader(engine_config, config.max_queue_len))
     # The production server's settings (header timeout, connection limit).
     server = uvicorn.Server(
         uvicorn_config(app, "127.0.0.1", port, config.limits, log_level="warning")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.entrypoints.cli import _parse
-from kvgate.entrypoints.serve import server_config
+from kvgate.entrypoints.cli import _config, _parse
+from kvgate.entrypoints.serve import ModelToServe, models_to_serve, server_config
 from kvgate.errors import InvalidConfig
 
 
@@ -57,3 +57,65 @@ def test_a_wrongly_typed_value_fails_like_a_flag(tmp_path: Path) -> None:
     path.write_text('port = "eighty"\n')
     with pytest.raises(SystemExit):
         _parse(["serve", "--config", str(path)])
+
+
+def _models(argv: list[str]) -> list[ModelToServe]:
+    args = _parse(["serve", *argv])
+    return models_to_serve(args, _config(args), getattr(args, "file_models", ()))
+
+
+def test_several_models_split_one_budget_by_weight() -> None:
+    models = _models([
+        "--kv-cache-memory", "1GiB", "--model", "smollm2", "--kv-weight", "3",
+        "--model", "/m/gemma/", "--served-model-name", "a", "--served-model-name", "g",
+    ])  # fmt: skip
+    assert [m.name for m in models] == ["a", "g"]
+    assert [m.engine.model for m in models] == ["smollm2", "/m/gemma/"]
+    assert [m.engine.kv_cache_memory for m in models] == [3 * 2**28, 2**28]
+    # Alone, a model keeps the budget as written (a fraction is resolved at its start).
+    (only,) = _models(["--kv-cache-memory", "0.25", "--model", "/m/x"])
+    assert only.name == "x" and only.engine.kv_cache_memory == "0.25"
+    (default,) = _models([])
+    assert default.name == "smollm2" and default.engine.model == "smollm2"
+
+
+def test_a_models_list_in_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(
+        'kv-cache-memory = "400MiB"\ndtype = "bfloat16"\n'
+        '[[models]]\nmodel = "smollm2"\nkv_weight = 1\n'
+        '[[models]]\nmodel = "gemma3-270m"\nname = "gemma"\nkv_weight = 3\n'
+        'dtype = "float32"\nmax_model_len = 2048\n'
+    )
+    a, g = _models(["--config", str(path)])
+    assert (a.name, g.name) == ("smollm2", "gemma")
+    assert (a.engine.dtype, g.engine.dtype) == ("bfloat16", "float32")
+    assert g.engine.max_model_len == 2048 and a.engine.max_model_len is None
+    assert (a.engine.kv_cache_memory, g.engine.kv_cache_memory) == (100 * 2**20, 300 * 2**20)
+    # --model on the command line replaces the file's list, as any flag wins over the file.
+    (only,) = _models(["--config", str(path), "--model", "/m/other"])
+    assert only.name == "other"
+
+
+@pytest.mark.parametrize(
+    ("argv", "toml", "message"),
+    [
+        (["--model", "a", "--model", "b/a"], "", "two models are served as 'a'"),
+        (["--model", "a", "--served-model-name", "x", "--served-model-name", "y"], "",
+         "at most one of each per --model"),
+        ([], '[[models]]\nmodel = "a"\ncolour = 1\n', r"unknown setting\(s\) \['colour'\]"),
+        ([], '[[models]]\nname = "a"\n', "needs 'model'"),
+        ([], '[[models]]\nmodel = "a"\nkv_weight = 0\n', "kv_weight must be a positive"),
+        ([], "models = 3\n", "'models' must be a non-empty list of tables"),
+        ([], '[[models]]\nmodel = "a"\ndtype = "int4"\n', "dtype must be one of"),
+    ],
+)  # fmt: skip
+def test_bad_model_lists_are_named(
+    tmp_path: Path, argv: list[str], toml: str, message: str
+) -> None:
+    if toml:
+        path = tmp_path / "bad.toml"
+        path.write_text(toml)
+        argv = ["--config", str(path), *argv]
+    with pytest.raises(InvalidConfig, match=message):
+        _models(argv)
