@@ -274,6 +274,10 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
     )
 
 
+def _memory(value: str | float) -> str:
+    return f"{value / 2**20:.0f}MiB" if isinstance(value, int) and value > 1 else str(value)
+
+
 def setup_logging(config: ServerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -352,7 +356,7 @@ def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
     for m in models:
         log.info(
             "model %r: %s (%s, kv_cache_memory=%s)",
-            m.name, m.engine.model, m.engine.dtype, m.engine.kv_cache_memory,
+            m.name, m.engine.model, m.engine.dtype, _memory(m.engine.kv_cache_memory),
         )  # fmt: skip
     log.info(
         "kvgate serving %s on http://%s:%d/v1 ; /health turns 200 once %s loaded",
