@@ -43,7 +43,6 @@ from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door, off_loop
 from kvgate.server.errors import AuthenticationFailed, install_error_handlers
-from kvgate.server.generation import ServingContext
 from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
@@ -54,6 +53,7 @@ from kvgate.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import ClientDisconnected
 from kvgate.server.tracing import NoTracing, Tracing
 

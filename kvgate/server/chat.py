@@ -15,18 +15,16 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
+from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import Constraints, chat_constraints
 from kvgate.server.door import off_loop
-from kvgate.server.generation import (
-    ChoiceResult,
-    ServingContext,
-    admit_choices,
-    chat_logprobs,
-    respond,
-)
+from kvgate.server.logprobs import chat_logprobs
 from kvgate.server.protocol import ChatCompletionRequest
+from kvgate.server.respond import respond
+from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import CHAT
+from kvgate.server.tracker import ChoiceResult
 from kvgate.structured.tools import Delta, ToolCallReader, render_history, template_history
 
 

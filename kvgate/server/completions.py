@@ -13,15 +13,13 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
+from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import completion_constraints
 from kvgate.server.door import off_loop
-from kvgate.server.generation import (
-    ServingContext,
-    admit_choices,
-    completion_logprobs,
-    respond,
-)
+from kvgate.server.logprobs import completion_logprobs
 from kvgate.server.protocol import CompletionRequest
+from kvgate.server.respond import respond
+from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import EventStream
 from kvgate.server.tracing import TEXT_COMPLETION
 from kvgate.structured.spec import Grammar

@@ -23,7 +23,7 @@ from kvgate.engine.stats import StatsListener
 from kvgate.errors import EngineDead
 from kvgate.governance.tenants import TenantSpec
 from kvgate.server.errors import ModelLoading, ModelNotAllowed, ModelNotServed
-from kvgate.server.generation import ServingContext
+from kvgate.server.serving import ServingContext
 
 #: Builds one model's engine (on the loading thread), given the listeners it must report to
 #: and its scheduling policy (None: FIFO).

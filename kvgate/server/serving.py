@@ -1,0 +1,42 @@
+"""What serves one model in the server: its engine, name, door, governance and ledger."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import kvgate
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.governance.usage import UsageLedger
+from kvgate.server.door import Door
+from kvgate.server.governance import Governance
+from kvgate.server.tracing import NoTracing, Tracing
+from kvgate.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """One served model, as a request handler needs it; a server of several models has one
+    per model (``server/models.py`` picks it by the request's ``model``)."""
+
+    engine: AsyncLLM
+    served_model_name: str
+    governance: Governance
+    door: Door
+    usage: UsageLedger
+    tracing: Tracing | NoTracing = field(default_factory=NoTracing)
+    #: Makes engine request ids unique even when clients reuse an x-request-id.
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def model_version(self) -> str:
+        """What served the request, for usage records."""
+        return f"{self.served_model_name}@kvgate-{kvgate.__version__}"
