@@ -112,6 +112,7 @@ class LLMEngine:
                 decode_kernel=kernels.attention,
                 upcast=upcast_attention(self.dtype, self.device),
                 scale=checkpoint.config.attention_scale,
+                kv_dtype=self.dtype,
             ),
             source=checkpoint.path,
             kernels=kernels,
@@ -139,7 +140,7 @@ class LLMEngine:
             self.kv_layout,
             self.model_config.num_layers,
             self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
-            self.dtype,
+            self.model.attention.kv_dtype,
             self.device,
         )
         self.kv_cache = KVCacheManager(
@@ -208,11 +209,11 @@ class LLMEngine:
         else:
             total = available_memory_bytes()
         budget = parse_memory(self.config.kv_cache_memory, total)
-        # A block is a page of K and V for ``slots`` layers (every layer, with one group).
-        c = self.model_config
-        bytes_per_block = (
-            self.config.block_size * 2 * self.kv_layout.slots * c.num_kv_heads * c.head_dim
-        ) * self.dtype.itemsize
+        # A block is a page of K and V for ``slots`` layers (every layer, with one group), in
+        # the attention backend's layout and dtype.
+        bytes_per_block = self.kv_layout.slots * self.model.attention.kv_block_bytes(
+            self.config.block_size
+        )
         num_blocks = budget // bytes_per_block
         needed = self.kv_layout.max_blocks(
             self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens

@@ -7,6 +7,12 @@ kernel (and its own cache layout) behind the same interface.
 
 Token ``t`` of a sequence lives at flat slot
 ``block_table[t // block_size] * block_size + t % block_size``.
+
+The KV cache's dtype and layout belong to the backend alone: the engine sizes and allocates
+the pool from ``kv_dtype``, ``kv_cache_shape`` and ``kv_block_bytes``; everything else that
+writes or reads the caches goes through ``write_kv`` or asks ``native_layout`` whether native
+code may touch them in place (the fused RoPE + KV write, the whole-layer decode), and falls
+back to ``write_kv`` when the answer is no.
 """
 
 from __future__ import annotations
@@ -63,9 +69,39 @@ class AttentionMetadata:
     decode_kv_start: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class NativeKVLayout:
+    """K/V caches as native kernels may write and read them in place: two contiguous tensors
+    ``[num_kv_heads, num_blocks, block_size, head_dim]`` of ``dtype`` per layer (head-major),
+    slot ``s`` at ``[:, s // block_size, s % block_size]``. Only a backend says whether its
+    caches are laid out so (``AttentionBackend.native_layout``)."""
+
+    num_kv_heads: int
+    num_blocks: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
 class AttentionBackend(Protocol):
+    #: The element type of the KV cache this backend reads and writes.
+    kv_dtype: torch.dtype
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's K (and V) cache tensor."""
+        ...
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of one layer's K and V together."""
+        ...
+
+    def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
+        """How native code may write and read these caches in place; None: only through
+        ``write_kv`` and ``attend``."""
         ...
 
     def write_kv(
@@ -115,8 +151,10 @@ class TorchAttention:
         decode_kernel: PagedDecodeKernel | None = None,
         upcast: bool = False,
         scale: float | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.decode_kernel = decode_kernel
+        self.kv_dtype = kv_dtype
         #: bf16 attention matmuls computed in float32 and rounded back, for CPUs where
         #: PyTorch has no fast bf16 matmul (no AVX512-BF16: oneDNN refuses bf16 there and the
         #: fallback is ~10x slower than float32, 3.9 of 4.4 s of a 768-token prefill).
@@ -129,6 +167,21 @@ class TorchAttention:
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return 2 * self.num_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
+
+    def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
+        if (
+            k_cache.dim() != 4
+            or k_cache.shape != v_cache.shape
+            or k_cache.dtype != v_cache.dtype
+            or k_cache.device.type != "cpu"
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):
+            return None
+        hkv, num_blocks, block_size, d = k_cache.shape
+        return NativeKVLayout(hkv, num_blocks, block_size, d, k_cache.dtype)
 
     def write_kv(
         self,

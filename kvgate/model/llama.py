@@ -109,7 +109,8 @@ class LlamaModel:
     def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
         torch_ops = TorchLayerOps(self.rope, self.attention, heads)
-        # The fused kernels are bf16-only and write the CPU backend's head-major cache.
+        # The fused kernels are bf16-only; they write the KV cache in place only where the
+        # attention backend says its layout allows it (`native_layout`).
         if lib is None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return torch_ops
         return FusedCpuLayerOps(lib, self.rope, heads, torch_ops)

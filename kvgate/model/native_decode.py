@@ -100,6 +100,8 @@ class NativeDecode:
         c = config
         self.isa = library.isa
         self._attention = attention
+        self._ops = ops
+        self._backend = ops.attention
         ew = ops.kernel_addresses()
         self._model = _Model(
             ew["rope_write_kv"], attention.decode_address(torch.bfloat16), ew["add_norm"],
@@ -159,16 +161,19 @@ class NativeDecode:
         kernel cannot take them (then the per-op path runs)."""
         if kv_caches is self._caches:
             return self._cache_ok
-        k0 = kv_caches[0][0]
-        hkv, n, bs, d = k0.shape
+        # The backend says how its caches lie; the C layers write and read them so only
+        # where every layer's are what the fused write and the decode kernel take.
+        layouts = [self._backend.native_layout(k, v) for k, v in kv_caches]
+        first = layouts[0]
         m = self._model
         self._cache_ok = (
-            (hkv, d) == (m.hkv, m.d)
-            and k0.dtype == torch.bfloat16
-            and self._attention.supports(torch.bfloat16, m.hq // m.hkv, d, bs)
-            and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+            first is not None
+            and all(x == first for x in layouts)
+            and self._ops.writes(first)
+            and self._attention.supports(torch.bfloat16, m.hq // m.hkv, m.d, first.block_size)
         )
-        m.num_blocks, m.block_size = n, bs
+        if first is not None:
+            m.num_blocks, m.block_size = first.num_blocks, first.block_size
         for slot, (k, v) in zip(self._layers, kv_caches, strict=True):
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
         self._caches = kv_caches

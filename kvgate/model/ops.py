@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.attention import AttentionBackend, AttentionMetadata, NativeKVLayout
 from kvgate.model.cpu_kernels import KernelLibrary, fn_address
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 
@@ -102,7 +102,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 class FusedCpuLayerOps:
-    """bf16, CPU backend's head-major cache only; bit-identical to ``TorchLayerOps``.
+    """bf16; bit-identical to ``TorchLayerOps``. The fused RoPE + KV write writes the cache
+    in place only where the attention backend says it may (``native_layout``: bf16,
+    head-major, the model's head shape); elsewhere it is the fallback's (rotate, then the
+    backend's ``write_kv``).
 
     Built only where ``fused_ops.c`` has a vector path (AVX2 or AVX512-BF16; see
     ``cpu_kernels.load_library``); on both the kernels beat PyTorch at every row count
@@ -122,6 +125,7 @@ class FusedCpuLayerOps:
         self.isa = library.isa
         self.rope = rope
         self.fallback = fallback
+        self.attention = fallback.attention
         self.num_heads, self.num_kv_heads, self.head_dim = heads
         lib = library.lib
         self._rope = lib.rope_write_kv_bf16
@@ -165,16 +169,28 @@ class FusedCpuLayerOps:
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        layout = self.attention.native_layout(k_cache, v_cache)
+        if not self.writes(layout) or not qkv.is_contiguous():
+            return self.fallback.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
+        assert layout is not None
         q = torch.empty((t, hq, d), dtype=qkv.dtype)
         k = torch.empty((t, hkv, d), dtype=qkv.dtype)
-        num_slots = k_cache.shape[1] * k_cache.shape[2]  # head-major [Hkv, N, BS, D]
         self._rope(
             _ptr(qkv), _ptr(positions), _ptr(self.rope.cos), _ptr(self.rope.sin_signed),
             _ptr(meta.slot_mapping), _ptr(q), _ptr(k), _ptr(k_cache), _ptr(v_cache),
-            t, hq, hkv, d, num_slots,
+            t, hq, hkv, d, layout.num_slots,
         )  # fmt: skip
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         return q, k, v
+
+    def writes(self, layout: NativeKVLayout | None) -> bool:
+        """Whether the fused kernel may write caches of this layout (bf16 rows of the
+        model's KV heads; the kernel writes slot s of head h at ``h * num_slots + s``)."""
+        return (
+            layout is not None
+            and layout.dtype == torch.bfloat16
+            and (layout.num_kv_heads, layout.head_dim) == (self.num_kv_heads, self.head_dim)
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not gate_up.is_contiguous():

@@ -120,6 +120,68 @@ def test_fused_rope_and_kv_write_are_bit_exact(level: str) -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+class _RowMajorAttention(TorchAttention):
+    """A backend with another cache layout, ``[num_blocks, block_size, Hkv, D]``: native
+    code must not write it in place, and ``write_kv`` is the only way in."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        return None
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+
+
+@levels
+def test_the_fused_write_goes_through_a_backend_whose_layout_it_cannot_write(level: str) -> None:
+    """The KV layout is the backend's: where ``native_layout`` says no, the fused op leaves
+    the cache to the backend's ``write_kv`` (and the result is still exact)."""
+    fused_lib = load_fused_ops_lib(level)
+    if fused_lib is None:
+        pytest.skip("no C compiler: kernels unavailable")
+    rope = RotaryEmbedding(64, 4096, 1e5, None, torch.bfloat16, torch.device("cpu"))
+    heads = (9, 3, 64)
+    backend = _RowMajorAttention(*heads)
+    fused = FusedCpuLayerOps(fused_lib, rope, heads, TorchLayerOps(rope, backend, heads))
+    plain, _ = _ops(level)
+    torch.manual_seed(2)
+    t, n, bs = 9, 4, 16
+    qkv = (torch.randn(t, 15 * 64) * 2).bfloat16()
+    positions = torch.randint(0, 4096, (t,))
+    meta = AttentionMetadata(
+        slot_mapping=torch.randperm(n * bs)[:t],
+        num_decodes=0,
+        decode_blocks=torch.empty(0, dtype=torch.long),
+        decode_lens=torch.empty(0, dtype=torch.long),
+        prefills=(),
+    )
+    k_rows, v_rows = (
+        torch.zeros(backend.kv_cache_shape(n, bs), dtype=torch.bfloat16) for _ in "kv"
+    )
+    k_heads, v_heads = (torch.zeros(3, n, bs, 64, dtype=torch.bfloat16) for _ in "kv")
+    got = fused.rope_write_kv(qkv, positions, k_rows, v_rows, meta)
+    ref = plain.rope_write_kv(qkv, positions, k_heads, v_heads, meta)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    # The same keys and values, each in its backend's layout.
+    assert torch.equal(k_rows.permute(2, 0, 1, 3), k_heads)
+    assert torch.equal(v_rows.permute(2, 0, 1, 3), v_heads)
+    assert TorchAttention(*heads).native_layout(k_heads, v_heads) is not None
+    assert fused.writes(TorchAttention(*heads).native_layout(k_heads, v_heads))
+    assert not fused.writes(TorchAttention(*heads).native_layout(k_heads.float(), v_heads.float()))
+
+
 @levels
 @pytest.mark.parametrize("hidden", [576, 960, 2048, 100, 8, 3])
 @pytest.mark.parametrize("rows", [1, 7, 40])
