@@ -25,6 +25,8 @@ if os.environ.get("CI"):
 def _usage_db(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Servers built without a usage_db write their usage ledger here, not in $HOME."""
     os.environ["KVGATE_USAGE_DB"] = str(tmp_path_factory.mktemp("usage") / "usage.sqlite3")
+    # ... and their files and vector stores here.
+    os.environ["KVGATE_DATA_DIR"] = str(tmp_path_factory.mktemp("kvgate-data"))
 
 
 @pytest.fixture(scope="session")

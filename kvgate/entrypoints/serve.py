@@ -87,6 +87,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--access-log", default="-", help="JSON-lines access log: a file, '-' stderr, '' off"
     )
+    g.add_argument(
+        "--data-dir",
+        default=None,
+        help="where uploaded files, vector stores and their indexes live (default: "
+        "$KVGATE_DATA_DIR, else ~/.local/share/kvgate)",
+    )
+    g.add_argument(
+        "--ingest-priority",
+        default="batch",
+        choices=["critical", "standard", "batch"],
+        help="the priority class of document ingestion (its thread's OS priority)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits (refused before any work is done on the request)")
     d = RequestLimits()
@@ -95,6 +107,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_body_bytes,
         help="largest request body (413 above it)",
+    )
+    lim.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=d.max_upload_bytes,
+        help="largest file upload, POST /v1/files (413 above it)",
     )
     lim.add_argument(
         "--max-prompt-chars",
@@ -258,9 +276,12 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         max_queue_len=a.max_queue_len,
         access_log=a.access_log,
         usage_db=a.usage_db,
+        data_dir=a.data_dir,
+        ingest_priority=a.ingest_priority,
         log_level=a.log_level,
         limits=RequestLimits(
             max_body_bytes=a.max_body_bytes,
+            max_upload_bytes=a.max_upload_bytes,
             max_prompt_chars=a.max_prompt_chars,
             max_messages=a.max_messages,
             max_stop=a.max_stop,

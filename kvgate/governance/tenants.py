@@ -20,6 +20,8 @@ TOML (or YAML, by extension)::
     max_deadline = 300                         # caps a request's own timeout
     prefix_isolation = true                    # never share prefix-cache blocks with others
     models = ["smollm2"]                       # the served models it may call (default: all)
+    max_files = 1000                           # files it may store (/v1/files)
+    max_storage_bytes = 1073741824             # bytes of files it may store
 
 Without a tenants file the server runs open as one ``default`` tenant with no limits.
 """
@@ -85,6 +87,9 @@ class TenantSpec:
     prefix_isolation: bool = True
     #: The served model names this tenant may call; None: every one.
     models: tuple[str, ...] | None = None
+    #: Most files, and bytes of files, the tenant may store (/v1/files); None: no limit.
+    max_files: int | None = None
+    max_storage_bytes: int | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -120,7 +125,10 @@ _SPEC_FIELDS = {f.name: f for f in fields(TenantSpec) if f.name != "name"}
 _NUMBER_FIELDS = {
     "weight", "kv_guaranteed", "kv_ceiling", "max_queue_time", "default_deadline", "max_deadline",
 }  # fmt: skip
-_INT_FIELDS = {"requests_per_minute", "tokens_per_minute", "max_context", "max_concurrent"}
+_INT_FIELDS = {
+    "requests_per_minute", "tokens_per_minute", "max_context", "max_concurrent", "max_files",
+    "max_storage_bytes",
+}  # fmt: skip
 
 
 def _spec(name: str, raw: Mapping[str, Any], where: str) -> TenantSpec:

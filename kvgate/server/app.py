@@ -26,6 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
+from kvgate.docs.retrieval import E5Embedder
+from kvgate.docs.service import DocsService, StorageLimits
+from kvgate.docs.store import DocStore
+from kvgate.docs.store import default_dir as docs_default_dir
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
@@ -43,6 +47,7 @@ from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door, off_loop
 from kvgate.server.errors import AuthenticationFailed, install_error_handlers
+from kvgate.server.files import install_file_routes
 from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
@@ -56,6 +61,7 @@ from kvgate.server.protocol import (
 from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import ClientDisconnected
 from kvgate.server.tracing import NoTracing, Tracing
+from kvgate.server.vector_stores import install_vector_store_routes
 
 log = logging.getLogger("kvgate.server")
 
@@ -66,6 +72,7 @@ class ServerState:
     governance: Governance
     usage: UsageLedger
     models: ServedModels
+    docs: DocsService
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     #: Set once every model has loaded (or one failed).
@@ -231,6 +238,18 @@ def _governance(config: ServerConfig) -> Governance:
     return Governance(TenantsConfig.open_config(), metrics_keys=metrics)
 
 
+def _docs(config: ServerConfig, governance: Governance) -> DocsService:
+    directory = config.data_dir or os.environ.get("KVGATE_DATA_DIR") or docs_default_dir()
+    store = DocStore(directory)
+    log.info("files and vector stores: %s", store.directory)
+
+    def limits(tenant: str) -> StorageLimits:
+        spec = governance.spec(tenant)
+        return StorageLimits(spec.max_files, spec.max_storage_bytes)
+
+    return DocsService(store, E5Embedder, limits, priority=config.ingest_priority)
+
+
 def _usage_ledger(config: ServerConfig) -> UsageLedger:
     path = config.usage_db or os.environ.get("KVGATE_USAGE_DB") or usage_default_path()
     ledger = UsageLedger(path)
@@ -271,7 +290,9 @@ def build_app(
     loaders = loader if isinstance(loader, Mapping) else {config.served_model_name: loader}
     models = ServedModels([ModelSlot(name, load) for name, load in loaders.items()])
     tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
-    state = ServerState(config, _governance(config), _usage_ledger(config), models, tracing)
+    governance = _governance(config)
+    docs = _docs(config, governance)
+    state = ServerState(config, governance, _usage_ledger(config), models, docs, tracing)
     _warn_unknown_models(state.governance.tenants, models.names)
     state.registry.register(EngineCollector(state.snapshots))
     state.registry.register(TenantCollector(state.snapshots, state.governance))
@@ -304,11 +325,14 @@ def build_app(
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes spans not yet exported
             state.usage.close()  # after the engine: every request settled is written
+            state.docs.close()
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvgate = state
     install_error_handlers(app)
     install_admin_routes(app)
+    install_file_routes(app)
+    install_vector_store_routes(app)
     install_dashboard(app, recent)
     # Limits and the key check run before anything reads the body; only the access log
     # (which reads no body) is outside them, so refusals are logged too.

@@ -51,6 +51,11 @@ class ServerConfig:
     #: The usage ledger's SQLite file (None: $KVGATE_USAGE_DB, else
     #: ~/.local/state/kvgate/usage.sqlite3); see governance/usage.py.
     usage_db: str | None = None
+    #: Where files, vector stores and their indexes live (None: $KVGATE_DATA_DIR, else
+    #: ~/.local/share/kvgate); see kvgate/docs.
+    data_dir: str | None = None
+    #: The priority class document ingestion runs at (its thread's OS priority).
+    ingest_priority: str = "batch"
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -70,6 +75,10 @@ class ServerConfig:
             raise InvalidConfig(
                 "give --tenants or --api-keys-file, not both (the tenants file holds the keys)",
                 param="tenants_file",
+            )
+        if self.ingest_priority not in ("critical", "standard", "batch"):
+            raise InvalidConfig(
+                "ingest_priority must be critical, standard or batch", param="ingest_priority"
             )
         if not self.served_model_name:
             raise InvalidConfig("served_model_name must not be empty", param="served_model_name")

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvgate.docs.service import NotFound
 from kvgate.errors import (
     EngineDead,
     InvalidConfig,
@@ -75,7 +76,7 @@ def status_of(exc: KVGateError) -> tuple[int, str]:
         return 401, "authentication_error"
     if isinstance(exc, PermissionDenied):
         return 403, "permission_error"
-    if isinstance(exc, ModelNotServed):
+    if isinstance(exc, (ModelNotServed, NotFound)):
         return 404, "invalid_request_error"
     if isinstance(exc, RateLimited):
         return 429, "rate_limit_error"

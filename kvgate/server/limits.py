@@ -30,6 +30,8 @@ class RequestLimits:
     #: Largest request body in bytes (413 above it). 4 MiB holds a 128k-token prompt as text
     #: several times over, or as token ids; a larger body costs the server its reading.
     max_body_bytes: int = 4 * 2**20
+    #: Largest file upload (``POST /v1/files``), in bytes (413 above it).
+    max_upload_bytes: int = 64 * 2**20
     #: Longest prompt in characters, over all messages (400 above it, before tokenizing).
     #: None: the model's context times its longest token in characters, the most characters
     #: a prompt that fits the context can have.
@@ -53,7 +55,7 @@ class RequestLimits:
 
     def __post_init__(self) -> None:
         for name in (
-            "max_body_bytes", "max_messages", "max_stop", "max_stop_chars",
+            "max_body_bytes", "max_upload_bytes", "max_messages", "max_stop", "max_stop_chars",
             "max_stop_token_ids", "max_connections",
         ):  # fmt: skip
             if getattr(self, name) < 1:
@@ -119,13 +121,14 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limits.max_body_bytes
+        path: str = scope["path"]
+        upload = path == "/v1/files" and scope.get("method") == "POST"
+        limit = self.limits.max_upload_bytes if upload else self.limits.max_body_bytes
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            await _send_error(send, 413, self._too_large(length.decode("latin-1")))
+            await _send_error(send, 413, self._too_large(length.decode("latin-1"), limit))
             return
-        path: str = scope["path"]
         if path.startswith(_KEYED_PREFIXES):
             auth = headers.get(b"authorization")
             if not self.key_ok(auth.decode("latin-1") if auth is not None else None):
@@ -155,7 +158,7 @@ class GuardMiddleware:
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
                 if received > limit:
-                    refusal = _Refused(413, self._too_large(f"more than {received}"))
+                    refusal = _Refused(413, self._too_large(f"more than {received}", limit))
                     raise refusal
             return message
 
@@ -190,10 +193,10 @@ class GuardMiddleware:
             None,
         )
 
-    def _too_large(self, size: str) -> bytes:
+    def _too_large(self, size: str, limit: int) -> bytes:
         return _error(
             413,
-            f"request body of {size} bytes is over the limit of {self.limits.max_body_bytes} bytes",
+            f"request body of {size} bytes is over the limit of {limit} bytes",
             "invalid_request_error",
             "request_too_large",
             None,

@@ -58,7 +58,10 @@ def start_server(
     of served names to configs serves several models (the first is the default)."""
     port = _free_port()
     usage_db = config.usage_db or str(Path(tempfile.mkdtemp(prefix="kvgate-usage-")) / "u.db")
-    config = ServerConfig(**{**config.__dict__, "port": port, "usage_db": usage_db})
+    data_dir = config.data_dir or tempfile.mkdtemp(prefix="kvgate-data-")
+    config = ServerConfig(
+        **{**config.__dict__, "port": port, "usage_db": usage_db, "data_dir": data_dir}
+    )
     if isinstance(engine_config, Mapping):
         loaders = {n: engine_loader(c, config.max_queue_len) for n, c in engine_config.items()}
         app = build_app(config, loaders)

