@@ -13,6 +13,7 @@ throughput (characters per second) and search latency p50/p99. Ratios come last.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -22,6 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
+from kvgate.docs import retrieval
 from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
 from kvgate.docs.retrieval import E5Embedder, HybridIndex, index_text, words
 
@@ -36,8 +40,44 @@ def _hit(chunk: Chunk, article: str, evidence: str) -> bool:
     return len(probe) >= 20 and probe in text
 
 
+class CachedEmbedder:
+    """The embedder, with its passage vectors kept on disk by text (``--cache``): reruns
+    that only change the retriever's fusion skip the embedding (throughput is then not
+    measured: it says so)."""
+
+    def __init__(self, inner: E5Embedder, directory: Path | None) -> None:
+        self.inner = inner
+        self.dim = inner.dim
+        self.directory = directory
+        self.hits = 0
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, text: str) -> Path:
+        assert self.directory is not None
+        return self.directory / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".npy")
+
+    def passages(self, texts: list[str]) -> np.ndarray:
+        if self.directory is None:
+            return self.inner.passages(texts)
+        paths = [self._path(t) for t in texts]
+        missing = [i for i, p in enumerate(paths) if not p.exists()]
+        if missing:
+            fresh = self.inner.passages([texts[i] for i in missing])
+            for row, i in zip(fresh, missing, strict=True):
+                np.save(paths[i], row)
+        self.hits += len(texts) - len(missing)
+        return np.stack([np.load(p) for p in paths])
+
+    def query(self, text: str) -> np.ndarray:
+        return self.inner.query(text)
+
+    def count_tokens(self, text: str) -> int:
+        return self.inner.count_tokens(text)
+
+
 def build(
-    corpus: Path, chunking: str, embedder: E5Embedder, batch: int
+    corpus: Path, chunking: str, embedder: CachedEmbedder, batch: int
 ) -> tuple[HybridIndex, dict[str, tuple[str, Chunk]], float, int]:
     index = HybridIndex(embedder.dim)
     chunks: dict[str, tuple[str, Chunk]] = {}
@@ -69,13 +109,21 @@ def main() -> int:
     p.add_argument("--modes", default="hybrid,bm25,dense")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--cache", default=None, help="keep passage vectors in this folder across runs")
+    p.add_argument("--show-misses", action="store_true", help="print questions missed at @5")
+    p.add_argument("--bm25-weight", type=float, default=retrieval.BM25_WEIGHT)
+    p.add_argument("--dense-weight", type=float, default=retrieval.DENSE_WEIGHT)
     a = p.parse_args()
+    retrieval.BM25_WEIGHT, retrieval.DENSE_WEIGHT = a.bm25_weight, a.dense_weight
     corpus = Path(a.corpus)
     questions = [json.loads(line) for line in (corpus / "dev_questions.jsonl").open()]
-    embedder = E5Embedder(threads=a.threads)
+    embedder = CachedEmbedder(E5Embedder(threads=a.threads), Path(a.cache) if a.cache else None)
     results: dict[tuple[str, str], dict[str, list[int]]] = {}
     for chunking in a.chunkings.split(","):
+        embedder.hits = 0
         index, chunks, seconds, chars = build(corpus, chunking, embedder, a.batch)
+        if embedder.hits:
+            print(f"{chunking}: {embedder.hits} vectors from the cache: no throughput figure")
         print(
             f"{chunking}: {len(chunks)} chunks of {chars} characters in {seconds:.1f} s "
             f"({chars / seconds:.0f} characters/s, chunking + embedding + indexing)",
@@ -100,6 +148,12 @@ def main() -> int:
                 )
                 for group in ("all", q["type"]):
                     ranks[group].append(rank)
+                if a.show_misses and rank > 5 and mode == "hybrid":
+                    top = ", ".join(
+                        f"{chunks[h.key][0][:12]}:{chunks[h.key][1].section[-1:]}" for h in hits[:3]
+                    )
+                    print(f"    miss {q['id']} ({q['type']}) {q['question'][:30]} -> gold "
+                          f"{q['doc'][:12]}:{q['article']}, rank {rank}; top: {top}")  # fmt: skip
             latencies.sort()
             p50 = latencies[len(latencies) // 2] * 1e3
             p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3

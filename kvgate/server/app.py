@@ -17,9 +17,9 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -38,7 +38,7 @@ from kvgate.errors import InvalidRequest, KVGateError
 from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
-from kvgate.server.access_log import AccessLogMiddleware, access_record
+from kvgate.server.access_log import AccessLogMiddleware
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
 from kvgate.server.chat import create_chat_completion
@@ -46,7 +46,7 @@ from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door, off_loop
-from kvgate.server.errors import AuthenticationFailed, install_error_handlers
+from kvgate.server.errors import install_error_handlers
 from kvgate.server.files import install_file_routes
 from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
@@ -58,6 +58,8 @@ from kvgate.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvgate.server.responses import install_response_routes
+from kvgate.server.routing import Route
 from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import ClientDisconnected
 from kvgate.server.tracing import NoTracing, Tracing
@@ -171,50 +173,6 @@ class _Aggregates:
         for family in self.registry.collect():
             if not family.name.startswith("kvgate:tenant_"):
                 yield family
-
-
-def _state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.kvgate
-    return state
-
-
-def authenticate(request: Request) -> str:
-    """The caller's tenant, from its API key (``default`` when the server is open)."""
-    given = request.headers.get("authorization")
-    tenant = _state(request).governance.tenants.tenant_of(given)
-    if tenant is None:
-        raise AuthenticationFailed(
-            "Incorrect API key provided"
-            if given
-            else "Missing API key: send 'Authorization: Bearer YOUR_KEY'"
-        )
-    access_record(request).tenant = tenant
-    return tenant
-
-
-class Router:
-    """Routes one authenticated caller's request to the model its body names."""
-
-    def __init__(self, state: ServerState, tenant: str) -> None:
-        self.state = state
-        self.tenant = tenant
-
-    def __call__(self, model: str | None) -> ServingContext:
-        """The model's serving context (see ``ServedModels.route``); a 403, 404 or 503
-        counts as the tenant's refusal."""
-        governance = self.state.governance
-        try:
-            return self.state.models.route(model, governance.spec(self.tenant))
-        except KVGateError as exc:
-            governance.count_refusal(self.tenant, exc.code)
-            raise
-
-
-def router(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Router:
-    return Router(_state(request), tenant)
-
-
-Route = Annotated[Router, Depends(router)]
 
 
 def _warn_unknown_models(tenants: TenantsConfig, served: Sequence[str]) -> None:
@@ -333,6 +291,7 @@ def build_app(
     install_admin_routes(app)
     install_file_routes(app)
     install_vector_store_routes(app)
+    install_response_routes(app)
     install_dashboard(app, recent)
     # Limits and the key check run before anything reads the body; only the access log
     # (which reads no body) is outside them, so refusals are logged too.

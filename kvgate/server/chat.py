@@ -28,7 +28,7 @@ from kvgate.server.tracker import ChoiceResult
 from kvgate.structured.tools import Delta, ToolCallReader, render_history, template_history
 
 
-def _prompt_ids(
+def chat_prompt_ids(
     ctx: ServingContext, body: ChatCompletionRequest, constraints: Constraints
 ) -> list[int]:
     """The templated prompt's ids (on a worker thread: see ``door.off_loop``); special
@@ -134,7 +134,7 @@ async def create_chat_completion(
     record.model = ctx.served_model_name
     ctx.door.enter(record.tenant or DEFAULT_TENANT, body)
     constraints = chat_constraints(body)
-    prompt = await off_loop(_prompt_ids, ctx, body, constraints)
+    prompt = await off_loop(chat_prompt_ids, ctx, body, constraints)
     record.prompt_tokens = len(prompt)
     response_id = f"chatcmpl-{record.request_id}"
     requests, tracker = admit_choices(
