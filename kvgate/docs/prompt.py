@@ -44,18 +44,22 @@ def arrange(results: Sequence[Result]) -> list[Source]:
 
 
 def fit(
-    results: Sequence[Result], count_tokens: Callable[[str], int], budget: int
+    results: Sequence[Sequence[Result]], count_tokens: Callable[[str], int], budget: int
 ) -> tuple[list[Result], int]:
     """The best-ranked results whose rendered sources fit ``budget`` tokens, and how many
-    were dropped."""
+    were dropped. Each rank gives its choices, widest first (a chunk with its neighbours,
+    then the chunk alone): the first that fits is taken."""
     kept: list[Result] = []
     used = 0
-    for i, r in enumerate(results):
-        cost = count_tokens(Source(i + 1, r).render()) + 2
-        if used + cost > budget:
+    for i, choices in enumerate(results):
+        for r in choices:
+            cost = count_tokens(Source(i + 1, r).render()) + 2
+            if used + cost <= budget:
+                kept.append(r)
+                used += cost
+                break
+        else:
             return kept, len(results) - len(kept)
-        kept.append(r)
-        used += cost
     return kept, 0
 
 

@@ -2,10 +2,11 @@
 
 Ingestion (text → chunks → embeddings → index) runs on one worker thread beside serving, as
 a tenant of its own with a priority class (``batch`` by default): its thread runs at the
-OS priority of that class (nice 19 for batch, 10 for standard, 0 for critical), and the
-embedder runs on one thread and releases the GIL, so the engine's threads and the event loop
-win the cores whenever they want them. Progress is logged per file and shown in each store's
-``file_counts`` and each file's ``status`` / ``last_error``.
+OS priority of that class (nice 19 for batch, 10 for standard, 0 for critical), and so do
+the embedder's threads it starts (the embedder releases the GIL while it runs), so the
+engine's threads and the event loop win the cores whenever they want them. Progress is
+logged per file and shown in each store's ``file_counts`` and each file's ``status`` /
+``last_error``.
 
 Every call takes the caller's tenant (None: an admin): another tenant's files and stores are
 absent (404), and searches only ever read the caller's own stores.
@@ -65,6 +66,9 @@ class SearchResult:
     score: float
     text: str
     attributes: dict[str, Any]
+    #: Where it came from: its store and its chunk's key there (for ``expand``).
+    store_id: str = ""
+    key: str = ""
 
     def as_api(self) -> dict[str, Any]:
         return {
@@ -297,8 +301,38 @@ class DocsService:
                 continue
             files[stored.file_id] = file
             attrs = attributes.get(key) or self._attributes(store_id, stored, file)
-            results.append(SearchResult(file.id, file.filename, score, stored.chunk.text, attrs))
+            results.append(
+                SearchResult(file.id, file.filename, score, stored.chunk.text, attrs, store_id, key)
+            )
         return results
+
+    def expand(self, result: SearchResult, radius: int = 1) -> SearchResult:
+        """``result`` with up to ``radius`` chunks before and after it that lie under the same
+        heading (the neighbouring clauses of an article, the rest of a section): one exact
+        slice of the file's text, ``start`` and ``end`` widened to it."""
+        file = self.store.file(result.file_id, None)
+        if file is None or file.text is None or not result.key:
+            return result
+        _, _, seq_text = result.key.rpartition("#")
+        seq = int(seq_text)
+        here = self.store.chunk(result.store_id, result.key)
+        if here is None:
+            return result
+        parent = here.chunk.section[:-1]
+        start, end = here.chunk.start, here.chunk.end
+        for step in (-1, 1):
+            for k in range(1, radius + 1):
+                other = self.store.chunk(result.store_id, f"{result.file_id}#{seq + step * k}")
+                if other is None or other.chunk.section[:-1] != parent:
+                    break
+                start, end = min(start, other.chunk.start), max(end, other.chunk.end)
+        if (start, end) == (here.chunk.start, here.chunk.end):
+            return result
+        attributes = {**result.attributes, "start": start, "end": end}
+        return SearchResult(
+            result.file_id, result.filename, result.score, file.text[start:end], attributes,
+            result.store_id, result.key,
+        )  # fmt: skip
 
     def _attributes(self, store_id: str, stored: StoredChunk, file: FileRecord) -> dict[str, Any]:
         record = self.store.store_file(store_id, stored.file_id)
@@ -434,6 +468,8 @@ class DocsService:
         self.store.add_chunks(stored)
         usage = sum(len(c.chunk.text.encode()) for c in stored)
         if not self.store.finish_store_file(store_id, file_id, "completed", None, usage):
+            # Removed between the check and the write: take its chunks back out.
+            self.store.remove_store_file(store_id, file_id)
             return
         with self._index_lock:
             index = self._indexes.get(store_id)

@@ -205,7 +205,10 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
         spec = governance.spec(tenant)
         return StorageLimits(spec.max_files, spec.max_storage_bytes)
 
-    return DocsService(store, E5Embedder, limits, priority=config.ingest_priority)
+    # Two threads: at the ingestion's OS priority they take only what serving leaves idle.
+    return DocsService(
+        store, lambda: E5Embedder(threads=2), limits, priority=config.ingest_priority
+    )
 
 
 def _usage_ledger(config: ServerConfig) -> UsageLedger:

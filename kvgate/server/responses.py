@@ -87,6 +87,10 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     #: kvgate's: ``extract`` quotes the best clause verbatim before the model's answer.
     answer_mode: Literal["generate", "extract"] = "generate"
+    #: kvgate's: the best ``expand_top`` sources go into the prompt with up to
+    #: ``expand_neighbours`` chunks on each side under the same heading (context expansion).
+    expand_neighbours: Annotated[int, Field(ge=0, le=3)] = 1
+    expand_top: Annotated[int, Field(ge=0, le=50)] = 3
 
 
 def _text(content: str | list[InputText]) -> str:
@@ -128,7 +132,8 @@ class _Answer:
         self.message_id = f"msg_{request_id}"
         self.search_id = f"fs_{request_id}"
         self.queries: list[str] = []
-        self.results: list[SearchResult] = []
+        self.results: list[SearchResult] = []  # as searched: the file_search_call's
+        self.sources: list[SearchResult] = []  # as they go into the prompt (expanded)
         self.dropped = 0
         self.prefix = ""  # extract mode: the quoted evidence before the model's text
         self.text = ""
@@ -224,6 +229,15 @@ async def _retrieve(
     answer.results = await run_in_threadpool(
         docs.search, tenant, tool.vector_store_ids, question, tool.max_num_results, tool.filters
     )
+    body = answer.body
+
+    def expanded() -> list[SearchResult]:
+        return [
+            docs.expand(r, body.expand_neighbours) if i < body.expand_top else r
+            for i, r in enumerate(answer.results)
+        ]
+
+    answer.sources = await run_in_threadpool(expanded) if body.expand_neighbours else answer.results
 
 
 def _tokens(ctx: ServingContext, text: str) -> int:
@@ -236,18 +250,21 @@ def _chat_body(
     """The chat request that answers: the sources in the system turn (as many as fit)."""
     messages = _messages(body)
     system = body.instructions or ""
-    if answer.results:
+    if answer.sources:
         room = ctx.max_model_len - (body.max_output_tokens or DEFAULT_ANSWER_TOKENS)
         room -= _tokens(ctx, question + system) + 64
-        results = answer.results
+        choices = [
+            [s, r] if s is not r else [r]
+            for s, r in zip(answer.sources, answer.results, strict=True)
+        ]
         if body.answer_mode == "extract":
-            best = results[0]
+            best = answer.results[0]  # the clause itself, not its neighbours
             evidence = _extract(best, question)
             section = best.attributes.get("section") or best.filename
             answer.prefix = f"{section}：「{evidence}」[1]\n\n"
-            results = [SearchResult(best.file_id, best.filename, best.score, evidence,
-                                    best.attributes)]  # fmt: skip
-        kept, answer.dropped = fit(results, lambda t: _tokens(ctx, t), max(room, 0))
+            choices = [[SearchResult(best.file_id, best.filename, best.score, evidence,
+                                     best.attributes)]]  # fmt: skip
+        kept, answer.dropped = fit(choices, lambda t: _tokens(ctx, t), max(room, 0))
         answer.results = (
             answer.results[: len(kept)] if body.answer_mode != "extract" else [answer.results[0]]
         )

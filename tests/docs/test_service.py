@@ -108,3 +108,17 @@ def test_quotas_count_a_tenants_files_only(tmp_path: Path) -> None:
         _upload(docs, tmp_path, "t", "c.md", b"c")
     assert not (tmp_path / "upload-c.md").exists()  # the refused upload is not kept
     docs.close()
+
+
+def test_context_expansion_stays_under_the_heading(tmp_path: Path) -> None:
+    docs = _service(tmp_path / "data")
+    file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
+    store = docs.create_store("t", None, [file_id], {"type": "auto"}, {})
+    assert docs.wait_idle()
+    (hit,) = [h for h in docs.search("t", [store.id], "带薪年休假", 4) if "第三条" in h.text[:4]]
+    wide = docs.expand(hit, 1)
+    # 第四条 follows under the same chapter; 第二条, before it, is under another.
+    assert wide.text.startswith("第三条") and wide.text.endswith("可以集中安排。")
+    assert LAW[wide.attributes["start"] : wide.attributes["end"]] == wide.text
+    assert wide.attributes["section"] == hit.attributes["section"]
+    docs.close()
