@@ -1,12 +1,9 @@
 """Files and vector stores as a service: uploads, background ingestion, search.
 
-Ingestion (text → chunks → embeddings → index) runs on one worker thread beside serving, as
-a tenant of its own with a priority class (``batch`` by default): its thread runs at the
-OS priority of that class (nice 19 for batch, 10 for standard, 0 for critical), and so do
-the embedder's threads it starts (the embedder releases the GIL while it runs), so the
-engine's threads and the event loop win the cores whenever they want them. Progress is
-logged per file and shown in each store's ``file_counts`` and each file's ``status`` /
-``last_error``.
+Ingestion (text → chunks → embeddings → index) runs in a process of its own beside
+serving, as a tenant of its own with a priority class (``batch`` by default), at that
+class's OS priority (``docs/ingest.py``). Progress is logged per file and shown in each
+store's ``file_counts`` and each file's ``status`` / ``last_error``.
 
 Every call takes the caller's tenant (None: an admin): another tenant's files and stores are
 absent (404), and searches only ever read the caller's own stores.
@@ -15,8 +12,6 @@ absent (404), and searches only ever read the caller's own stores.
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,21 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
+import numpy as np
+
 from kvgate.docs.filters import matches
-from kvgate.docs.retrieval import Embedder, HybridIndex, index_text, words
+from kvgate.docs.ingest import IngestProcess
+from kvgate.docs.retrieval import Embedder, HybridIndex, words
 from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
-from kvgate.docs.text import SUFFIXES, UnreadableFile, extract_text, suffix_of
+from kvgate.docs.text import SUFFIXES, suffix_of
 from kvgate.errors import InvalidRequest, KVGateError
 
 log = logging.getLogger("kvgate.docs")
-
-#: OS nice value of the ingestion thread, by the priority class of its tenant.
-NICE = {"critical": 0, "standard": 10, "batch": 19}
-#: ``auto`` chunking: the cap (embedder tokens) and the overlap where a unit is longer.
-AUTO_MAX_TOKENS = 512
-AUTO_OVERLAP_TOKENS = 64
-EMBED_BATCH = 16
 
 
 class NotFound(KVGateError):
@@ -123,9 +113,9 @@ class DocsService:
         limits: Callable[[str], StorageLimits] = lambda _: StorageLimits(),
         priority: str = "batch",
     ) -> None:
-        """``embedder``: makes the embedder on first use (on the worker, at its priority);
-        ``limits``: a tenant's storage limits, read at each upload (a reload may change
-        them)."""
+        """``embedder``: makes an embedder (here for queries, on first use; in the ingestion
+        process for passages), so it must pickle; ``limits``: a tenant's storage limits,
+        read at each upload (a reload may change them)."""
         self.store = store
         self._make_embedder = embedder
         self._embedder: Embedder | None = None
@@ -134,10 +124,10 @@ class DocsService:
         self.priority = priority
         self._indexes: dict[str, HybridIndex] = {}
         self._index_lock = threading.Lock()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: dict[tuple[str, str], _Job] = {}
-        self._worker = threading.Thread(target=self._work, name="kvgate-ingest", daemon=True)
-        self._worker.start()
+        self._worker = IngestProcess(
+            str(store.directory), embedder, priority, self._job_done, self._job_lost
+        )
         self._requeue_unfinished()
 
     @property
@@ -148,8 +138,7 @@ class DocsService:
             return self._embedder
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._worker.join(30)
+        self._worker.close()
         self.store.close()
 
     # ------------------------------------------------------------------ files
@@ -389,9 +378,8 @@ class DocsService:
     # ------------------------------------------------------------------ ingestion
 
     def _enqueue(self, store_id: str, file_id: str) -> None:
-        job = _Job(store_id, file_id)
-        self._pending[(store_id, file_id)] = job
-        self._jobs.put(job)
+        self._pending[(store_id, file_id)] = _Job(store_id, file_id)
+        self._worker.submit((store_id, file_id))
 
     def _requeue_unfinished(self) -> None:
         """After a restart: files that were being indexed start again."""
@@ -402,102 +390,24 @@ class DocsService:
                                           record.attributes)  # fmt: skip
                 self._enqueue(store.id, record.file_id)
 
-    def _work(self) -> None:
-        nice = NICE.get(self.priority, 19)
-        try:  # this thread only (Linux: a thread's nice value is its own)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except (AttributeError, OSError, PermissionError):
-            log.warning("ingestion: could not lower its thread's priority to nice %d", nice)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._ingest(job.store_id, job.file_id)
-            except Exception as exc:  # one file's failure is that file's, never the worker's
-                log.exception("ingestion of %s into %s failed", job.file_id, job.store_id)
-                self.store.finish_store_file(
-                    job.store_id, job.file_id, "failed",
-                    {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"},
-                )  # fmt: skip
-            finally:
-                self._pending.pop((job.store_id, job.file_id), None)
-                job.done.set()
-
-    def _ingest(self, store_id: str, file_id: str) -> None:
+    def _job_done(self, job: tuple[str, str]) -> None:
+        """The ingestion process finished a job: its chunks join the index kept here."""
+        store_id, file_id = job
         record = self.store.store_file(store_id, file_id)
-        file = self.store.file(file_id, None)
-        if record is None or file is None:
-            return  # removed before its turn
-        started = time.perf_counter()
-        text = file.text
-        if text is None:
-            try:
-                text = extract_text(file.filename, self.store.file_path(file_id).read_bytes())
-            except UnreadableFile as exc:
-                self.store.set_text(file_id, None, exc.message)
-                code = "unsupported_file" if "unsupported" in exc.message else "invalid_file"
-                self.store.finish_store_file(
-                    store_id, file_id, "failed", {"code": code, "message": exc.message}
-                )
-                log.info("ingest %s %s: failed: %s", store_id, file.filename, exc.message)
-                return
-            except FileNotFoundError:
-                return  # the file was deleted meanwhile
-            self.store.set_text(file_id, text, None)
-        embedder = self.embedder
-        chunks = _chunks(text, record.chunking, embedder.count_tokens)
-        title = _title(text, file.filename)
-        stored: list[StoredChunk] = []
-        for i in range(0, len(chunks), EMBED_BATCH):
-            if self.store.store_file(store_id, file_id) is None:
-                log.info("ingest %s %s: removed while indexing", store_id, file.filename)
-                return
-            part = chunks[i : i + EMBED_BATCH]
-            texts = [index_text(title, c) for c in part]
-            vectors = embedder.passages(texts)
-            for j, (chunk, t) in enumerate(zip(part, texts, strict=True)):
-                stored.append(StoredChunk(store_id, file_id, i + j, chunk, words(t), vectors[j]))
-            if (i // EMBED_BATCH) % 20 == 19:
-                log.info(
-                    "ingest %s %s: %d/%d chunks", store_id, file.filename, len(stored),
-                    len(chunks),
-                )  # fmt: skip
-        if self.store.store_file(store_id, file_id) is None:
-            return
-        self.store.add_chunks(stored)
-        usage = sum(len(c.chunk.text.encode()) for c in stored)
-        if not self.store.finish_store_file(store_id, file_id, "completed", None, usage):
-            # Removed between the check and the write: take its chunks back out.
-            self.store.remove_store_file(store_id, file_id)
-            return
         with self._index_lock:
             index = self._indexes.get(store_id)
-        if index is not None and stored:
-            import numpy as np
+        if index is not None and record is not None and record.status == "completed":
+            rows = [c for c in self.store.chunks(store_id) if c.file_id == file_id]
+            if rows:
+                index.add([c.key for c in rows], [c.terms for c in rows],
+                          np.stack([c.vector for c in rows]))  # fmt: skip
+        pending = self._pending.pop(job, None)
+        if pending is not None:
+            pending.done.set()
 
-            index.add([c.key for c in stored], [c.terms for c in stored],
-                      np.stack([c.vector for c in stored]))  # fmt: skip
-        seconds = time.perf_counter() - started
-        log.info(
-            "ingest %s %s: %d chunks, %d characters in %.1f s (%.0f characters/s)",
-            store_id, file.filename, len(stored), len(text), seconds, len(text) / seconds,
-        )  # fmt: skip
-
-
-def _chunks(text: str, chunking: Mapping[str, Any], count: Callable[[str], int]) -> list[Chunk]:
-    if chunking.get("type") == "static":
-        static = chunking["static"]
-        return chunk_static(
-            text, count, static["max_chunk_size_tokens"], static["chunk_overlap_tokens"]
+    def _job_lost(self, job: tuple[str, str]) -> None:
+        self.store.finish_store_file(
+            *job, "failed", {"code": "server_error", "message": "the ingestion process died"}
         )
-    return chunk_auto(text, count, AUTO_MAX_TOKENS, AUTO_OVERLAP_TOKENS)
-
-
-def _title(text: str, filename: str) -> str:
-    """A document's title: its first heading or line, else its file name."""
-    for line in text.splitlines():
-        line = line.strip().lstrip("#").strip()
-        if line:
-            return line[:100]
-    return filename
+        log.error("ingestion process died while indexing %s into %s", job[1], job[0])
+        self._job_done(job)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -206,9 +207,8 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
         return StorageLimits(spec.max_files, spec.max_storage_bytes)
 
     # Two threads: at the ingestion's OS priority they take only what serving leaves idle.
-    return DocsService(
-        store, lambda: E5Embedder(threads=2), limits, priority=config.ingest_priority
-    )
+    embedder = functools.partial(E5Embedder, threads=2)  # pickles: the ingestion process
+    return DocsService(store, embedder, limits, priority=config.ingest_priority)
 
 
 def _usage_ledger(config: ServerConfig) -> UsageLedger:

@@ -4,6 +4,7 @@ search, filters, removal, and indexes rebuilt from SQLite after a restart."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,4 +122,36 @@ def test_context_expansion_stays_under_the_heading(tmp_path: Path) -> None:
     assert wide.text.startswith("第三条") and wide.text.endswith("可以集中安排。")
     assert LAW[wide.attributes["start"] : wide.attributes["end"]] == wide.text
     assert wide.attributes["section"] == hit.attributes["section"]
+    docs.close()
+
+
+class SlowEmbedder(CharEmbedder):
+    def passages(self, texts: Sequence[str]) -> np.ndarray:
+        import time
+
+        time.sleep(0.5)
+        return super().passages(texts)
+
+
+def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(tmp_path: Path) -> None:
+    docs = DocsService(DocStore(tmp_path / "data"), SlowEmbedder)
+    long_law = "\n\n".join(f"第{i}条 内容{i}。" for i in range(1, 200))
+    file_id = _upload(docs, tmp_path, "t", "long.md", long_law.encode())
+    store = docs.create_store("t", None, [file_id], {"type": "auto"}, {})
+    proc = docs._worker._proc
+    deadline = time.monotonic() + 30
+    while docs.store.counts(store.id)["in_progress"] and time.monotonic() < deadline:
+        if proc.is_alive() and docs.store.file(file_id, None).text is not None:  # type: ignore[union-attr]
+            proc.kill()  # mid-job: its text is extracted, its chunks not yet written
+            break
+        time.sleep(0.05)
+    assert docs.wait_idle(30)
+    (record,) = docs.store.store_files(store.id)
+    assert record.status == "failed" and record.last_error is not None
+    assert "ingestion process died" in record.last_error["message"]
+    # The next job gets a new process.
+    small = _upload(docs, tmp_path, "t", "small.md", "第一条 年休假。".encode())
+    docs.add_store_file("t", store.id, small, None, {})
+    assert docs.wait_idle(30)
+    assert docs.store.store_file(store.id, small).status == "completed"  # type: ignore[union-attr]
     docs.close()
