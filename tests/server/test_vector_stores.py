@@ -4,6 +4,7 @@ background, search with the clause's place; tenants kept apart; bad files and qu
 from __future__ import annotations
 
 import io
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,6 +183,16 @@ def test_bad_files_fail_alone_and_the_store_stays_usable(docs_server: LiveServer
         data={"purpose": "assistants"},
     )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    # A 200 MB upload is refused on its Content-Length, before a byte of it is read.
+    host, port = docs_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-b\r\n"
+            b"Content-Type: multipart/form-data; boundary=b\r\n"
+            + f"Content-Length: {200 * 2**20}\r\n\r\n".encode()
+        )
+        reply = sock.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
     # A file removed while it waits or is indexed leaves the store whole.
     law = (CORPUS / LAWS[1]).read_bytes()
     gone = client.files.create(file=("gone.md", law), purpose="assistants")
