@@ -1,10 +1,10 @@
 """Splitting a document's text into chunks that carry where they lie.
 
-``auto`` (kvgate's): structure first. Headings (Markdown ``#``, outside code fences; the
-编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines; numbered headings
-``1.2 Title``) build a heading path; units start under them at each article 第X条, at an
-appendix (附录, 附件), and, outside articles, at each top-level clause of a contract
-(一、 …). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph
+``auto`` (kvgate's): structure first. Headings (Markdown ``#`` and underlined ones,
+outside code fences; the 编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines;
+Part / Chapter / Section lines; numbered headings ``1.2 Title``) build a heading path; units
+start under them at each article (第X条, ``Article 5``), at an appendix (附录, 附件), and,
+outside articles, at each top-level clause of a contract (一、 …). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph
 and sentence ends (。！？；!?;), with overlap between its pieces, and only inside a sentence
 when a sentence alone is over the cap. Every 第X条 starts a chunk.
 
@@ -27,6 +27,13 @@ _MD_HEADING = re.compile(r"(#{1,6})[ \t]+(.+?)[ \t#]*$")
 _LAW_HEADING = re.compile(rf"[ \t　]*(第[{_NUM}]+(分编|编|章|节))(?:[ \t　]+|$)(.*)$")
 _LAW_LEVEL = {"编": 1, "分编": 2, "章": 3, "节": 4}
 _NUMBERED_HEADING = re.compile(r"(\d+(?:\.\d+)+|\d+)[ \t]+([^\s\d].{0,60})$")
+#: English structure as plain lines: Part > Chapter > Section.
+_EN_HEADING = re.compile(r"[ \t]*(PART|Part|CHAPTER|Chapter|SECTION|Section)[ \t]+([0-9IVXLC]+)\b")
+_EN_LEVEL = {"part": 1, "chapter": 2, "section": 3}
+_EN_ARTICLE = re.compile(
+    r"[ \t]*\**((?:ARTICLE|Article)[ \t]+[0-9IVXLC]+(?:\.[0-9]+)*)\**(?:[.:\s]|$)"
+)
+_SETEXT = re.compile(r"[ \t]*(=+|-+)[ \t]*$")
 _ARTICLE = re.compile(rf"[ \t　]*\**(第[{_NUM}]+条(?:之[{_NUM}]+)?)\**(?:[ \t　]|$)")
 _APPENDIX = re.compile(
     r"[ \t　]*((?:附录|附件|附表)[一二三四五六七八九十0-9]*)[ \t　]*[：:]?[ \t　]*$"
@@ -79,10 +86,33 @@ def _heading(line: str, markdown_levels: bool) -> tuple[int, str] | None:
         # As plain lines, the law's own hierarchy; +1 below a Markdown document's title.
         level = _LAW_LEVEL[m.group(2)] + (1 if markdown_levels else 0)
         return level, _title(f"{m.group(1)} {m.group(3)}")
+    ends = ("。", ".", "；", ";", "：", ":", "，", ",")
+    m = _EN_HEADING.match(line)
+    if m is not None and len(line) <= 80 and not line.rstrip().endswith(ends):
+        level = _EN_LEVEL[m.group(1).lower()] + (1 if markdown_levels else 0)
+        return level, _title(line)
     m = _NUMBERED_HEADING.match(line)
-    if m is not None and not line.rstrip().endswith(("。", ".", "；", ";", "：", ":", "，", ",")):
+    if m is not None and not line.rstrip().endswith(ends):
         return m.group(1).count(".") + 1, _title(line)
     return None
+
+
+def _setext_titles(lines: list[tuple[int, int, str]]) -> dict[int, int]:
+    """Markdown's underlined headings: line index of the title -> its level (``===`` 1,
+    ``---`` 2); the underline itself is the next line. Not inside code fences."""
+    titles: dict[int, int] = {}
+    in_fence = False
+    for i, (_, _, line) in enumerate(lines):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        m = _SETEXT.match(line)
+        if in_fence or m is None or len(m.group(1)) < 3 or i == 0:
+            continue
+        title = lines[i - 1][2]
+        if title.strip() and not _SETEXT.match(title) and not title.startswith(("#", " " * 4)):
+            titles[i - 1] = 1 if m.group(1)[0] == "=" else 2
+    return titles
 
 
 def _units(text: str) -> list[_Unit]:
@@ -93,7 +123,9 @@ def _units(text: str) -> list[_Unit]:
     label: str | None = None
     in_article = False
     in_fence = False
-    markdown_levels = bool(re.search(r"(?m)^#{1,6}[ \t]", text))
+    lines = list(_lines(text))
+    setext = _setext_titles(lines)
+    markdown_levels = bool(setext) or bool(re.search(r"(?m)^#{1,6}[ \t]", text))
 
     def close(end: int) -> None:
         nonlocal start
@@ -102,13 +134,18 @@ def _units(text: str) -> list[_Unit]:
             units.append(_Unit(start, end, section))
         start = None
 
-    for lo, _, line in _lines(text):
+    underlines = {i + 1 for i in setext}
+    for n, (lo, _, line) in enumerate(lines):
+        if n in underlines:
+            continue  # the line under a setext title
         if _FENCE.match(line):
             in_fence = not in_fence
             if start is None:
                 start = lo
             continue
         heading = None if in_fence else _heading(line, markdown_levels)
+        if n in setext:
+            heading = (setext[n], _title(line))
         if heading is not None:
             close(lo)
             level, title = heading
@@ -127,7 +164,7 @@ def _units(text: str) -> list[_Unit]:
             start, label, in_article = lo, None, False
             continue
         if not in_fence:
-            article = _ARTICLE.match(line)
+            article = _ARTICLE.match(line) or _EN_ARTICLE.match(line)
             clause = None if article or in_article else _CLAUSE.match(line)
             marker = article or clause
             if marker is not None:

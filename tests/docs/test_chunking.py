@@ -145,3 +145,29 @@ def test_any_text_gives_exact_chunks_under_the_cap(text: str) -> None:
         ):
             assert all(ch.isspace() or i in covered for i, ch in enumerate(line, pos)), line
         pos += len(line)
+
+
+def test_english_contracts_and_underlined_headings() -> None:
+    text = (
+        "Master Services Agreement\n=========================\n\nPreamble text.\n\n"
+        "CHAPTER I Definitions\n\nARTICLE 1. Scope\nThe supplier provides the services.\n\n"
+        "Article 2: Fees\nFees are due monthly.\n\n```\nnot a heading\n-------------\n```\n\n"
+        "CHAPTER II Termination\n\nArticle 3 Notice\nEither party may end it.\n"
+    )
+    chunks = chunk_auto(text, len)
+    _exact(text, chunks)
+    by_label = {c.section[-1]: c for c in chunks}
+    assert by_label["ARTICLE 1"].section == (
+        "Master Services Agreement", "CHAPTER I Definitions", "ARTICLE 1",
+    )  # fmt: skip
+    assert by_label["Article 2"].text.startswith("Article 2: Fees")
+    assert "not a heading" in by_label["Article 2"].text  # the fence keeps its lines
+    assert by_label["Article 3"].section == (
+        "Master Services Agreement", "CHAPTER II Termination", "Article 3",
+    )  # fmt: skip
+    assert [c.section for c in chunks if c.text == "Preamble text."] == [
+        ("Master Services Agreement",)
+    ]
+    # Under a --- title line: a level-2 heading.
+    sections = [c.section for c in chunk_auto("Guide\n=====\n\nSetup\n-----\n\nRun it.\n", len)]
+    assert sections == [("Guide", "Setup")]
