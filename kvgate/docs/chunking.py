@@ -4,9 +4,10 @@
 outside code fences; the 编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines;
 Part / Chapter / Section lines; numbered headings ``1.2 Title``) build a heading path; units
 start under them at each article (第X条, ``Article 5``), at an appendix (附录, 附件), and,
-outside articles, at each top-level clause of a contract (一、 …). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph
-and sentence ends (。！？；!?;), with overlap between its pieces, and only inside a sentence
-when a sentence alone is over the cap. Every 第X条 starts a chunk.
+outside articles, at each top-level clause of a contract (一、 …). A unit is one chunk when
+it fits the token cap; a longer one is cut at paragraph and sentence ends (。！？；!?;), with
+overlap between its pieces, and only inside a sentence when a sentence alone is over the
+cap. Every 第X条 starts a chunk.
 
 ``static`` (OpenAI's): windows of ``max_tokens`` sliding by ``max_tokens - overlap``.
 
