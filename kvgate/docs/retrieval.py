@@ -102,11 +102,17 @@ class HybridIndex:
         return len(self._keys)
 
     def add(self, keys: Sequence[str], terms: Sequence[list[str]], vectors: np.ndarray) -> None:
+        """Add entries; a key already here is left as it is (an index built from the store
+        may already hold a file whose end is reported after)."""
         assert len(keys) == len(terms) == len(vectors)
         with self._lock:
-            self._keys.extend(keys)
-            self._words.extend(terms)
-            self._vectors = np.concatenate([self._vectors, vectors.astype(np.float32)])
+            known = set(self._keys)
+            new = [i for i, k in enumerate(keys) if k not in known]
+            if not new:
+                return
+            self._keys.extend(keys[i] for i in new)
+            self._words.extend(terms[i] for i in new)
+            self._vectors = np.concatenate([self._vectors, vectors[new].astype(np.float32)])
             self._bm25 = None
 
     def remove(self, keys: set[str]) -> None:

@@ -1,0 +1,44 @@
+"""The hybrid index on its own: fusion, modes, masks, scores, idempotent adds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvgate.docs.retrieval import HybridIndex, words
+
+DOCS = {
+    "law#0": "劳动者解除劳动合同，应当提前三十日以书面形式通知用人单位。",
+    "law#1": "用人单位应当在十五日内为劳动者办理档案和社会保险关系转移手续。",
+    "law#2": "职工累计工作已满十年不满二十年的，年休假十天。",
+}
+
+
+def _index() -> HybridIndex:
+    index = HybridIndex(3)
+    index.add(list(DOCS), [words(t) for t in DOCS.values()], np.eye(3, dtype=np.float32))
+    return index
+
+
+def test_each_ranking_and_their_fusion() -> None:
+    index = _index()
+    q = words("社会保险关系转移要多少天")
+    assert index.search(q, None, 3, mode="bm25")[0].key == "law#1"
+    dense = np.array([0, 0, 1], dtype=np.float32)  # points at law#2
+    assert index.search(q, dense, 3, mode="dense")[0].key == "law#2"
+    hits = index.search(q, dense, 3)
+    # First in one ranking each: the dense one counts twice BM25's.
+    assert [h.key for h in hits[:2]] == ["law#2", "law#1"]
+    assert all(0 < h.score <= 1 for h in hits)
+    both = index.search(words("年休假十天"), dense, 1)[0]
+    assert both.key == "law#2" and abs(both.score - 1.0) < 1e-9  # first in both rankings
+
+
+def test_masks_removal_and_adding_twice() -> None:
+    index = _index()
+    q = words("社会保险关系转移")
+    assert [h.key for h in index.search(q, None, 3, {"law#0"}, "bm25")] == []
+    index.add(["law#1"], [words(DOCS["law#1"])], np.eye(3, dtype=np.float32)[1:2])
+    assert len(index) == 3  # a key already there is not added again
+    index.remove({"law#1"})
+    assert "law#1" not in [h.key for h in index.search(q, np.ones(3, np.float32), 3)]
+    assert HybridIndex(3).search(q, None, 3) == []
