@@ -200,8 +200,14 @@ def _pieces(text: str, start: int, end: int) -> list[tuple[int, int]]:
 
 
 def _hard_cut(text: str, start: int, end: int, cap: int, count: TokenCounter) -> int:
-    """The furthest end in (start, end] with at most ``cap`` tokens (at least one char)."""
-    lo, hi = start + 1, end
+    """The furthest end in (start, end] with at most ``cap`` tokens (at least one char).
+
+    The span searched grows by doubling from ``cap`` characters first, so each count reads
+    about a window's text, not the rest of the document (which made long files quadratic)."""
+    lo, hi = start + 1, min(end, start + max(cap, 1))
+    while hi < end and count(text[start:hi]) <= cap:
+        lo = hi
+        hi = min(end, start + 2 * (hi - start))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if count(text[start:mid]) <= cap:
@@ -218,11 +224,10 @@ def _split(
     each after the first beginning with up to ``overlap`` tokens of the one before."""
     pieces: list[tuple[int, int]] = []
     for a, b in _pieces(text, unit.start, unit.end):
-        while count(text[a:b]) > cap:  # one sentence over the cap: cut inside it
+        while a < b:  # a sentence over the cap is cut inside it
             cut = _hard_cut(text, a, b, cap, count)
             pieces.append((a, cut))
             a = cut
-        pieces.append((a, b))
     i = 0
     while i < len(pieces):
         j = i + 1  # pieces[i:j] go in this span: as many as fit

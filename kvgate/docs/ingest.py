@@ -34,7 +34,7 @@ AUTO_MAX_TOKENS = 512
 AUTO_OVERLAP_TOKENS = 64
 EMBED_BATCH = 16
 
-Job = tuple[str, str]  # (vector store id, file id)
+Job = tuple[str, str, str]  # (vector store id, file id, job id: StoreFileRecord.job)
 
 
 def chunks_of(text: str, chunking: Mapping[str, Any], count: Callable[[str], int]) -> list[Chunk]:
@@ -55,23 +55,29 @@ def title_of(text: str, filename: str) -> str:
     return filename
 
 
-def ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str) -> None:
-    """One job, start to end; a failure is the file's (its ``last_error``)."""
+def ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str) -> None:
+    """One job, start to end; a failure is the file's (its ``last_error``). A job whose file
+    was removed, or added again (a newer job), stops at its next check and writes nothing."""
     try:
-        _ingest(store, embedder, store_id, file_id)
+        _ingest(store, embedder, store_id, file_id, job)
     except Exception as exc:
         log.exception("ingestion of %s into %s failed", file_id, store_id)
         store.finish_store_file(
-            store_id, file_id, "failed",
+            store_id, file_id, job, "failed",
             {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"},
         )  # fmt: skip
 
 
-def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str) -> None:
+def _current(store: DocStore, store_id: str, file_id: str, job: str) -> bool:
+    record = store.store_file(store_id, file_id)
+    return record is not None and record.job == job
+
+
+def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str) -> None:
     record = store.store_file(store_id, file_id)
     file = store.file(file_id, None)
-    if record is None or file is None:
-        return  # removed before its turn
+    if record is None or file is None or record.job != job:
+        return  # removed, or added again, before its turn
     started = time.perf_counter()
     text = file.text
     if text is None:
@@ -81,7 +87,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str) ->
             store.set_text(file_id, None, exc.message)
             code = "unsupported_file" if "unsupported" in exc.message else "invalid_file"
             store.finish_store_file(
-                store_id, file_id, "failed", {"code": code, "message": exc.message}
+                store_id, file_id, job, "failed", {"code": code, "message": exc.message}
             )
             log.info("ingest %s %s: failed: %s", store_id, file.filename, exc.message)
             return
@@ -92,7 +98,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str) ->
     title = title_of(text, file.filename)
     stored: list[StoredChunk] = []
     for i in range(0, len(chunks), EMBED_BATCH):
-        if store.store_file(store_id, file_id) is None:
+        if not _current(store, store_id, file_id, job):
             log.info("ingest %s %s: removed while indexing", store_id, file.filename)
             return
         part = chunks[i : i + EMBED_BATCH]
@@ -104,13 +110,8 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str) ->
             log.info(
                 "ingest %s %s: %d/%d chunks", store_id, file.filename, len(stored), len(chunks)
             )
-    if store.store_file(store_id, file_id) is None:
-        return
-    store.add_chunks(stored)
-    usage = sum(len(c.chunk.text.encode()) for c in stored)
-    if not store.finish_store_file(store_id, file_id, "completed", None, usage):
-        store.remove_store_file(store_id, file_id)  # removed between the check and the write
-        return
+    if not store.complete(store_id, file_id, job, stored):
+        return  # removed or added again meanwhile: nothing of this job is kept
     seconds = time.perf_counter() - started
     log.info(
         "ingest %s %s: %d chunks, %d characters in %.1f s (%.0f characters/s)",

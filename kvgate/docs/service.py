@@ -80,6 +80,10 @@ def chunking_of(strategy: Mapping[str, Any] | None) -> dict[str, Any]:
             "chunking_strategy.type must be 'auto' or 'static'", param="chunking_strategy.type"
         )
     static = strategy.get("static") or {}
+    if not isinstance(static, Mapping):
+        raise InvalidRequest(
+            "chunking_strategy.static must be an object", param="chunking_strategy.static"
+        )
     size = static.get("max_chunk_size_tokens", 800)
     overlap = static.get("chunk_overlap_tokens", 400)
     if isinstance(size, bool) or not isinstance(size, int) or not 100 <= size <= 4096:
@@ -124,7 +128,8 @@ class DocsService:
         self.priority = priority
         self._indexes: dict[str, HybridIndex] = {}
         self._index_lock = threading.Lock()
-        self._pending: dict[tuple[str, str], _Job] = {}
+        self._upload_lock = threading.Lock()
+        self._pending: dict[str, _Job] = {}  # by job id
         self._worker = IngestProcess(
             str(store.directory), embedder, priority, self._job_done, self._job_lost
         )
@@ -144,6 +149,10 @@ class DocsService:
     # ------------------------------------------------------------------ files
 
     def add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
+        with self._upload_lock:  # the quota check and the insert together: uploads race
+            return self._add_file(tenant, filename, purpose, data_path)
+
+    def _add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
         size = data_path.stat().st_size
         if suffix_of(filename) not in SUFFIXES:
             data_path.unlink(missing_ok=True)
@@ -228,7 +237,7 @@ class DocsService:
         record = self.store.add_store_file(
             store_id, file.id, chunking or store.chunking, attributes
         )
-        self._enqueue(store_id, file.id)
+        self._enqueue(record)
         return record
 
     def store_file(self, tenant: str | None, store_id: str, file_id: str) -> StoreFileRecord:
@@ -289,7 +298,7 @@ class DocsService:
             if file is None:
                 continue
             files[stored.file_id] = file
-            attrs = attributes.get(key) or self._attributes(store_id, stored, file)
+            attrs = attributes.get(f"{store_id}/{key}") or self._attributes(store_id, stored, file)
             results.append(
                 SearchResult(file.id, file.filename, score, stored.chunk.text, attrs, store_id, key)
             )
@@ -325,7 +334,7 @@ class DocsService:
 
     def _attributes(self, store_id: str, stored: StoredChunk, file: FileRecord) -> dict[str, Any]:
         record = self.store.store_file(store_id, stored.file_id)
-        base = dict(record.attributes) if record is not None else {}
+        base = {k: v for k, v in (record.attributes if record else {}).items() if k != "_batch"}
         return {
             **base,
             "section": stored.chunk.section_path,
@@ -348,7 +357,7 @@ class DocsService:
             if file is None:
                 continue
             attrs = self._attributes(store_id, stored, file)
-            attributes[stored.key] = attrs
+            attributes[f"{store_id}/{stored.key}"] = attrs
             if matches(filters, {"filename": file.filename, **attrs}):
                 allowed.add(stored.key)
         return allowed
@@ -377,37 +386,42 @@ class DocsService:
 
     # ------------------------------------------------------------------ ingestion
 
-    def _enqueue(self, store_id: str, file_id: str) -> None:
-        self._pending[(store_id, file_id)] = _Job(store_id, file_id)
-        self._worker.submit((store_id, file_id))
+    def _enqueue(self, record: StoreFileRecord) -> None:
+        self._pending[record.job] = _Job(record.store_id, record.file_id)
+        self._worker.submit((record.store_id, record.file_id, record.job))
 
     def _requeue_unfinished(self) -> None:
         """After a restart: files that were being indexed start again."""
         for store in self.store.stores(None):
             for record in self.store.store_files(store.id, "in_progress"):
                 self.store.remove_store_file(store.id, record.file_id)
-                self.store.add_store_file(store.id, record.file_id, record.chunking,
-                                          record.attributes)  # fmt: skip
-                self._enqueue(store.id, record.file_id)
+                again = self.store.add_store_file(
+                    store.id, record.file_id, record.chunking, record.attributes
+                )
+                self._enqueue(again)
 
-    def _job_done(self, job: tuple[str, str]) -> None:
-        """The ingestion process finished a job: its chunks join the index kept here."""
-        store_id, file_id = job
+    def _job_done(self, job: tuple[str, str, str]) -> None:
+        """The ingestion process finished a job: its chunks join the index kept here (when
+        it is still the file's current job)."""
+        store_id, file_id, job_id = job
         record = self.store.store_file(store_id, file_id)
         with self._index_lock:
             index = self._indexes.get(store_id)
-        if index is not None and record is not None and record.status == "completed":
+        current = record is not None and record.job == job_id and record.status == "completed"
+        if index is not None and current:
             rows = [c for c in self.store.chunks(store_id) if c.file_id == file_id]
             if rows:
                 index.add([c.key for c in rows], [c.terms for c in rows],
                           np.stack([c.vector for c in rows]))  # fmt: skip
-        pending = self._pending.pop(job, None)
+        pending = self._pending.pop(job_id, None)
         if pending is not None:
             pending.done.set()
 
-    def _job_lost(self, job: tuple[str, str]) -> None:
+    def _job_lost(self, job: tuple[str, str, str]) -> None:
+        store_id, file_id, job_id = job
         self.store.finish_store_file(
-            *job, "failed", {"code": "server_error", "message": "the ingestion process died"}
-        )
-        log.error("ingestion process died while indexing %s into %s", job[1], job[0])
+            store_id, file_id, job_id, "failed",
+            {"code": "server_error", "message": "the ingestion process died"},
+        )  # fmt: skip
+        log.error("ingestion process died while indexing %s into %s", file_id, store_id)
         self._job_done(job)

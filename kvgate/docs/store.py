@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS stores (
 CREATE TABLE IF NOT EXISTS store_files (
     store_id TEXT NOT NULL, file_id TEXT NOT NULL, created_at INTEGER NOT NULL,
     status TEXT NOT NULL, last_error TEXT, chunking TEXT NOT NULL, attributes TEXT NOT NULL,
-    usage_bytes INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (store_id, file_id)
+    usage_bytes INTEGER NOT NULL DEFAULT 0, job TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (store_id, file_id)
 );
 CREATE TABLE IF NOT EXISTS chunks (
     store_id TEXT NOT NULL, file_id TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
@@ -45,6 +46,20 @@ CREATE TABLE IF NOT EXISTS chunks (
     vector BLOB NOT NULL, PRIMARY KEY (store_id, file_id, seq)
 );
 """
+
+
+_INSERT_CHUNK = (
+    'INSERT INTO chunks (store_id, file_id, seq, start, "end", section, text, terms, vector) '
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _chunk_row(c: StoredChunk) -> tuple[Any, ...]:
+    return (
+        c.store_id, c.file_id, c.seq, c.chunk.start, c.chunk.end,
+        json.dumps(c.chunk.section, ensure_ascii=False), c.chunk.text, "\x1f".join(c.terms),
+        c.vector.astype(np.float32).tobytes(),
+    )  # fmt: skip
 
 
 def default_dir() -> Path:
@@ -101,6 +116,9 @@ class StoreFileRecord:
     chunking: dict[str, Any]
     attributes: dict[str, Any]
     usage_bytes: int
+    #: The ingestion job that indexes this row's file: a file added again gets a new one,
+    #: and only the current job may write its chunks or its end.
+    job: str = ""
 
 
 @dataclass(frozen=True)
@@ -267,26 +285,29 @@ class DocStore:
         self, store_id: str, file_id: str, chunking: dict[str, Any], attributes: dict[str, Any]
     ) -> StoreFileRecord:
         record = StoreFileRecord(
-            store_id, file_id, int(time.time()), "in_progress", None, chunking, attributes, 0
-        )
+            store_id, file_id, int(time.time()), "in_progress", None, chunking, attributes, 0,
+            new_id("job_"),
+        )  # fmt: skip
         self._write(
             "INSERT OR REPLACE INTO store_files (store_id, file_id, created_at, status, "
-            "last_error, chunking, attributes, usage_bytes) VALUES (?, ?, ?, ?, NULL, ?, ?, 0)",
+            "last_error, chunking, attributes, usage_bytes, job) "
+            "VALUES (?, ?, ?, ?, NULL, ?, ?, 0, ?)",
             (store_id, file_id, record.created_at, record.status, json.dumps(chunking),
-             json.dumps(attributes)),
+             json.dumps(attributes), record.job),
         )  # fmt: skip
         return record
 
     def _store_file(self, row: tuple[Any, ...]) -> StoreFileRecord:
         error = json.loads(row[4]) if row[4] else None
         return StoreFileRecord(
-            row[0], row[1], row[2], row[3], error, json.loads(row[5]), json.loads(row[6]), row[7]
-        )
+            row[0], row[1], row[2], row[3], error, json.loads(row[5]), json.loads(row[6]), row[7],
+            row[8],
+        )  # fmt: skip
 
     def store_file(self, store_id: str, file_id: str) -> StoreFileRecord | None:
         rows = self._rows(
             "SELECT store_id, file_id, created_at, status, last_error, chunking, attributes, "
-            "usage_bytes FROM store_files WHERE store_id = ? AND file_id = ?",
+            "usage_bytes, job FROM store_files WHERE store_id = ? AND file_id = ?",
             (store_id, file_id),
         )
         return self._store_file(rows[0]) if rows else None
@@ -295,7 +316,7 @@ class DocStore:
         extra, args = ("", ()) if status is None else (" AND status = ?", (status,))
         rows = self._rows(
             "SELECT store_id, file_id, created_at, status, last_error, chunking, attributes, "
-            f"usage_bytes FROM store_files WHERE store_id = ?{extra} "
+            f"usage_bytes, job FROM store_files WHERE store_id = ?{extra} "
             "ORDER BY created_at DESC, rowid DESC",
             (store_id, *args),
         )
@@ -322,19 +343,52 @@ class DocStore:
         self,
         store_id: str,
         file_id: str,
+        job: str,
         status: str,
         error: dict[str, str] | None = None,
-        usage_bytes: int = 0,
     ) -> bool:
-        """Set a store file's end state; False when it is gone (deleted meanwhile)."""
+        """End job ``job`` of a store file without chunks (failed); False when the row is
+        gone or belongs to a newer job."""
         return (
             self._write(
-                "UPDATE store_files SET status = ?, last_error = ?, usage_bytes = ? "
-                "WHERE store_id = ? AND file_id = ?",
-                (status, json.dumps(error) if error else None, usage_bytes, store_id, file_id),
+                "UPDATE store_files SET status = ?, last_error = ? "
+                "WHERE store_id = ? AND file_id = ? AND job = ?",
+                (status, json.dumps(error) if error else None, store_id, file_id, job),
             )
             > 0
         )
+
+    def complete(
+        self, store_id: str, file_id: str, job: str, chunks: Sequence[StoredChunk]
+    ) -> bool:
+        """Write job ``job``'s chunks and mark its file completed, in one transaction, only
+        while the row is still that job's (a file removed or added again meanwhile is left
+        to whoever did it); replaces any chunks the file had in the store."""
+        usage = sum(len(c.chunk.text.encode()) for c in chunks)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                current = self._db.execute(
+                    "SELECT 1 FROM store_files WHERE store_id = ? AND file_id = ? AND job = ?",
+                    (store_id, file_id, job),
+                ).fetchall()
+                if not current:
+                    self._db.execute("ROLLBACK")
+                    return False
+                self._db.execute(
+                    "DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id)
+                )
+                self._db.executemany(_INSERT_CHUNK, [_chunk_row(c) for c in chunks])
+                self._db.execute(
+                    "UPDATE store_files SET status = 'completed', last_error = NULL, "
+                    "usage_bytes = ? WHERE store_id = ? AND file_id = ?",
+                    (usage, store_id, file_id),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return True
 
     def remove_store_file(self, store_id: str, file_id: str) -> None:
         with self._lock:
@@ -348,21 +402,6 @@ class DocStore:
             self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ chunks
-
-    def add_chunks(self, chunks: Sequence[StoredChunk]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany(
-                'INSERT OR REPLACE INTO chunks (store_id, file_id, seq, start, "end", section, '
-                "text, terms, vector) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (c.store_id, c.file_id, c.seq, c.chunk.start, c.chunk.end,
-                     json.dumps(c.chunk.section, ensure_ascii=False), c.chunk.text,
-                     "\x1f".join(c.terms), c.vector.astype(np.float32).tobytes())
-                    for c in chunks
-                ],
-            )  # fmt: skip
-            self._db.execute("COMMIT")
 
     def chunks(self, store_id: str) -> Iterator[StoredChunk]:
         rows = self._rows(

@@ -52,6 +52,12 @@ def extract_text(filename: str, data: bytes) -> str:
         text = _decode(filename, data)
         if suffix in (".html", ".htm"):
             text = _html(text)
+    if "\x00" in text:
+        if suffix not in (".pdf", ".docx"):
+            raise UnreadableFile(
+                f"{filename!r} is not UTF-8 text (NUL bytes: binary content under a text name?)"
+            )
+        text = text.replace("\x00", "")  # the embedder reads C strings: a NUL would end one
     if not text.strip():
         raise UnreadableFile(f"{filename!r} has no text")
     return text

@@ -17,17 +17,20 @@ from fastapi.responses import FileResponse
 
 from kvgate.docs.service import DocsService
 from kvgate.errors import InvalidRequest
+from kvgate.governance.tenants import key_digest
+from kvgate.server.access_log import access_record
 from kvgate.server.errors import AuthenticationFailed
 
 #: The purposes OpenAI accepts; kvgate reads every file the same way.
 PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
-#: The tenant that owns what an admin key (which names no tenant) creates.
-ADMIN_TENANT = "admin"
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who calls a documents endpoint: a tenant, or an admin (who sees every tenant's)."""
+    """Who calls a documents endpoint. ``tenant`` is the owner of what it creates: its
+    tenant, or for a key that names no tenant (``--api-keys-file`` lines with a key alone)
+    or an admin key, that key itself (by its digest), so such keys never share documents.
+    An admin sees every owner's."""
 
     tenant: str
     admin: bool = False
@@ -50,7 +53,11 @@ def docs_caller(request: Request) -> Caller:
             if auth
             else "Missing API key: send 'Authorization: Bearer YOUR_KEY'"
         )
-    return Caller(tenant if tenant is not None else ADMIN_TENANT, admin)
+    access_record(request).tenant = tenant
+    key = (auth or "").partition(" ")[2].strip()
+    if tenant is None or tenants.key_salt(auth) is not None:
+        return Caller(f"key:{key_digest(key).hex()}", admin)
+    return Caller(tenant, admin)
 
 
 def docs_service(request: Request) -> DocsService:

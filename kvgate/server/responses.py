@@ -39,6 +39,7 @@ from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import chat_constraints
 from kvgate.server.door import off_loop
 from kvgate.server.errors import error_body, status_of
+from kvgate.server.files import docs_caller
 from kvgate.server.protocol import ChatCompletionRequest
 from kvgate.server.respond import run_merged
 from kvgate.server.routing import Route
@@ -245,14 +246,17 @@ def _tokens(ctx: ServingContext, text: str) -> int:
 
 
 def _chat_body(
-    body: ResponsesRequest, answer: _Answer, ctx: ServingContext, question: str
+    body: ResponsesRequest, answer: _Answer, ctx: ServingContext, question: str, context: int
 ) -> ChatCompletionRequest:
-    """The chat request that answers: the sources in the system turn (as many as fit)."""
+    """The chat request that answers: the sources in the system turn, as many as fit in
+    ``context`` tokens (the model's, or the tenant's max_context) beside the conversation,
+    the chat template's own tokens and the answer."""
     messages = _messages(body)
     system = body.instructions or ""
     if answer.sources:
-        room = ctx.max_model_len - (body.max_output_tokens or DEFAULT_ANSWER_TOKENS)
-        room -= _tokens(ctx, question + system) + 64
+        room = context - (body.max_output_tokens or DEFAULT_ANSWER_TOKENS)
+        conversation = "".join(m["content"] for m in messages) + system
+        room -= _tokens(ctx, conversation) + 16 * (len(messages) + 1) + 64
         choices = [
             [s, r] if s is not r else [r]
             for s, r in zip(answer.sources, answer.results, strict=True)
@@ -307,7 +311,9 @@ async def create_response(
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             docs.vector_store(tenant, store_id)
         await _retrieve(docs, tenant, tool, answer, question)
-    chat = _chat_body(body, answer, ctx, question)
+    spec = ctx.governance.spec(record.tenant or DEFAULT_TENANT)
+    context = min(ctx.max_model_len, spec.max_context or ctx.max_model_len)
+    chat = _chat_body(body, answer, ctx, question, context)
     ctx.door.enter(record.tenant or DEFAULT_TENANT, chat)
     constraints = chat_constraints(chat)
     prompt = await off_loop(chat_prompt_ids, ctx, chat, constraints)
@@ -389,7 +395,8 @@ def install_response_routes(app: FastAPI) -> None:
     async def responses(body: ResponsesRequest, request: Request, route: Route) -> Any:
         ctx = route(body.model)
         docs: DocsService = request.app.state.kvgate.docs
+        owner = docs_caller(request).tenant  # whose vector stores it may search
         try:
-            return await create_response(ctx, docs, route.tenant, body, request)
+            return await create_response(ctx, docs, owner, body, request)
         except ClientDisconnected:
             return Response(status_code=499)

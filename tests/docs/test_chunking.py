@@ -171,3 +171,20 @@ def test_english_contracts_and_underlined_headings() -> None:
     # Under a --- title line: a level-2 heading.
     sections = [c.section for c in chunk_auto("Guide\n=====\n\nSetup\n-----\n\nRun it.\n", len)]
     assert sections == [("Guide", "Setup")]
+
+
+def test_chunking_reads_about_each_window_not_the_whole_rest() -> None:
+    """Long files stay linear: the text the counter reads is a small multiple of the file."""
+    text = "x" * 200_000  # no sentence ends at all: the worst case for both chunkers
+    read = 0
+
+    def counting(s: str) -> int:
+        nonlocal read
+        read += len(s)
+        return len(s)
+
+    for chunker in (chunk_static, chunk_auto):
+        read = 0
+        chunks = chunker(text, counting, 400, 100)
+        assert chunks and all(len(c.text) <= 400 for c in chunks)
+        assert read < 60 * len(text), (chunker.__name__, read)

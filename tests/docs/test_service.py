@@ -155,3 +155,21 @@ def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(tmp_path: P
     assert docs.wait_idle(30)
     assert docs.store.store_file(store.id, small).status == "completed"  # type: ignore[union-attr]
     docs.close()
+
+
+def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(tmp_path: Path) -> None:
+    docs = DocsService(DocStore(tmp_path / "data"), SlowEmbedder)
+    law = "\n\n".join(f"第{i}条 内容{i}。" for i in range(1, 60))
+    file_id = _upload(docs, tmp_path, "t", "law.md", law.encode())
+    static = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 0}}
+    store = docs.create_store("t", None, [file_id], static, {})
+    time.sleep(1.0)  # the first job is embedding its batches
+    docs.add_store_file("t", store.id, file_id, {"type": "auto"}, {})
+    assert docs.wait_idle(60)
+    (record,) = docs.store.store_files(store.id)
+    assert record.status == "completed" and record.chunking == {"type": "auto"}
+    rows = list(docs.store.chunks(store.id))
+    assert len(rows) == 59 and all(r.chunk.section for r in rows)  # one per article, auto's
+    hits = docs.search("t", [store.id], "内容7", 100)
+    assert len(hits) == len({h.key for h in hits}) <= 59
+    docs.close()

@@ -75,6 +75,7 @@ def test_docx_paragraphs_and_headings() -> None:
     [
         ("e.txt", b"", "is empty"),
         ("b.txt", bytes(range(256)) * 4, "not UTF-8 text"),
+        ("late-nul.txt", "第一条 ".encode() * 3000 + b"\x00tail", "NUL bytes"),
         ("w.txt", b"   \n\n ", "has no text"),
         ("x.exe", b"MZ", "unsupported file type"),
         ("n.pdf", b"%PDF-1.4 garbage", "not a readable PDF"),

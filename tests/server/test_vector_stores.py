@@ -236,6 +236,8 @@ def test_static_chunking_and_bad_strategies(docs_server: LiveServer) -> None:
                 "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 80},
             }
         )
+    with pytest.raises(openai.BadRequestError, match="must be an object"):
+        client.vector_stores.create(chunking_strategy={"type": "static", "static": "x"})  # type: ignore[typeddict-item]
     with pytest.raises(openai.BadRequestError, match="filter type"):
         client.vector_stores.search(
             store.id, query="x", filters={"type": "like", "key": "a", "value": 1}
@@ -357,3 +359,15 @@ def test_chat_latency_during_an_ingestion(docs_server: LiveServer) -> None:
     # Generous for a shared 2-core machine; bench/longdoc.py --serving has the real figure.
     assert during[15] < 3 * alone[15] + 0.02
     _wait(client, store.id, timeout=300)
+
+
+def test_keys_that_name_no_tenant_do_not_share_documents(live_server: LiveServer) -> None:
+    from tests.server.conftest import API_KEY, LONE_KEYS
+
+    one, two = (_client(live_server, k) for k in LONE_KEYS)
+    made = one.files.create(file=("mine.md", b"# mine\n"), purpose="assistants")
+    assert made.id in [f.id for f in one.files.list()]
+    for other in (two, _client(live_server, API_KEY)):
+        assert made.id not in [f.id for f in other.files.list()]
+        with pytest.raises(openai.NotFoundError):
+            other.files.retrieve(made.id)
