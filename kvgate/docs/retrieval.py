@@ -123,6 +123,13 @@ class HybridIndex:
             self._vectors = self._vectors[keep]
             self._bm25 = None
 
+    def remove_files(self, file_ids: set[str]) -> None:
+        """Remove every chunk of these files (keys ``file_id#seq``)."""
+        with self._lock:
+            held = [k for k in self._keys if k.rpartition("#")[0] in file_ids]
+        if held:
+            self.remove(set(held))
+
     def search(
         self,
         query_terms: list[str],

@@ -7,6 +7,13 @@ store's ``file_counts`` and each file's ``status`` / ``last_error``.
 
 Every call takes the caller's tenant (None: an admin): another tenant's files and stores are
 absent (404), and searches only ever read the caller's own stores.
+
+The search indexes live in this process and follow the database: before each search a
+store's index is brought to the files the database says are indexed, and which job wrote
+each (one small query), so what another replica ingested or removed, through a shared
+PostgreSQL store, is searched here too, and a removal racing a rebuild cannot leave stale
+chunks. Ingestion jobs hold a lease (renewed by the process that queued them); in a shared
+store a job whose replica died is taken over by another once its lease runs out.
 """
 
 from __future__ import annotations
@@ -102,11 +109,26 @@ def chunking_of(strategy: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
+#: A shared store's ingestion lease (seconds) and how often a replica renews its jobs' and
+#: looks for jobs whose lease ran out.
+LEASE_S = 120.0
+RENEW_S = 30.0
+
+
 @dataclass
 class _Job:
     store_id: str
     file_id: str
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _SyncedIndex:
+    """A store's index and, per file it holds, the job whose chunks those are."""
+
+    index: HybridIndex
+    jobs: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DocsService:
@@ -126,14 +148,19 @@ class DocsService:
         self._embedder_lock = threading.Lock()
         self.limits = limits
         self.priority = priority
-        self._indexes: dict[str, HybridIndex] = {}
+        self._indexes: dict[str, _SyncedIndex] = {}
         self._index_lock = threading.Lock()
         self._upload_lock = threading.Lock()
         self._pending: dict[str, _Job] = {}  # by job id
         self._worker = IngestProcess(
-            str(store.directory), embedder, priority, self._job_done, self._job_lost
+            (str(store.directory), store.url), embedder, priority, self._job_done, self._job_lost
         )
-        self._requeue_unfinished()
+        self._closed = threading.Event()
+        # Alone on its database, every job in progress was this server's: all start again.
+        # Shared, only those whose lease ran out (their replica is gone).
+        self._requeue(store.stale_jobs(LEASE_S if store.shared else 0))
+        if store.shared:
+            threading.Thread(target=self._leases, name="kvgate-docs-leases", daemon=True).start()
 
     @property
     def embedder(self) -> Embedder:
@@ -143,6 +170,7 @@ class DocsService:
             return self._embedder
 
     def close(self) -> None:
+        self._closed.set()
         self._worker.close()
         self.store.close()
 
@@ -187,10 +215,10 @@ class DocsService:
 
     def delete_file(self, tenant: str | None, file_id: str) -> None:
         self.file(tenant, file_id)
-        for store in self.store.stores(None):
-            if self.store.store_file(store.id, file_id) is not None:
-                self._drop_from_index(store.id, file_id)
+        stores = self.store.stores_holding(file_id)
         self.store.delete_file(file_id)
+        for store_id in stores:
+            self._sync(store_id)
 
     # ------------------------------------------------------------------ vector stores
 
@@ -231,12 +259,10 @@ class DocsService:
     ) -> StoreFileRecord:
         store = self.vector_store(tenant, store_id)
         file = self.file(store.tenant, file_id)  # a store holds its own tenant's files only
-        if self.store.store_file(store_id, file_id) is not None:
-            self._drop_from_index(store_id, file_id)
-            self.store.remove_store_file(store_id, file_id)
         record = self.store.add_store_file(
             store_id, file.id, chunking or store.chunking, attributes
         )
+        self._sync(store_id)  # its old chunks, if it was there, leave the index now
         self._enqueue(record)
         return record
 
@@ -249,8 +275,8 @@ class DocsService:
 
     def remove_store_file(self, tenant: str | None, store_id: str, file_id: str) -> None:
         self.store_file(tenant, store_id, file_id)
-        self._drop_from_index(store_id, file_id)
         self.store.remove_store_file(store_id, file_id)
+        self._sync(store_id)
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Wait until every queued ingestion has ended (tests, benchmarks)."""
@@ -350,7 +376,7 @@ class DocsService:
         attributes: dict[str, dict[str, Any]],
     ) -> set[str]:
         allowed = set()
-        for stored in self.store.chunks(store_id):
+        for stored in self.store.chunk_places(store_id):
             file = files.get(stored.file_id)
             if file is None:
                 file = files[stored.file_id] = self.store.file(stored.file_id, None)
@@ -363,26 +389,37 @@ class DocsService:
         return allowed
 
     def _index(self, store_id: str) -> HybridIndex:
-        with self._index_lock:
-            index = self._indexes.get(store_id)
-            if index is not None:
-                return index
-            index = HybridIndex(self.embedder.dim)
-            done = {r.file_id for r in self.store.store_files(store_id, "completed")}
-            rows = [c for c in self.store.chunks(store_id) if c.file_id in done]
-            if rows:
-                import numpy as np
+        """The store's index, brought to what the database says is indexed."""
+        synced = self._sync(store_id, create=True)
+        assert synced is not None
+        return synced.index
 
-                index.add([c.key for c in rows], [c.terms for c in rows],
-                          np.stack([c.vector for c in rows]))  # fmt: skip
-            self._indexes[store_id] = index
-            return index
-
-    def _drop_from_index(self, store_id: str, file_id: str) -> None:
+    def _sync(self, store_id: str, create: bool = False) -> _SyncedIndex | None:
+        """Bring the store's index to the database (``create``: build it when this process
+        has none yet; else only an index already here is updated)."""
         with self._index_lock:
-            index = self._indexes.get(store_id)
-        if index is not None:
-            index.remove({c.key for c in self.store.chunks(store_id) if c.file_id == file_id})
+            synced = self._indexes.get(store_id)
+            if synced is None:
+                if not create:
+                    return None
+                synced = self._indexes[store_id] = _SyncedIndex(HybridIndex(self.embedder.dim))
+        with synced.lock:
+            want = self.store.completed_jobs(store_id)
+            gone = {f for f, job in synced.jobs.items() if want.get(f) != job}
+            if gone:
+                synced.index.remove_files(gone)
+                for file_id in gone:
+                    del synced.jobs[file_id]
+            for file_id, job in want.items():
+                if file_id in synced.jobs:
+                    continue
+                rows = self.store.job_chunks(store_id, file_id, job)
+                if rows:
+                    synced.index.add([c.key for c in rows], [c.terms for c in rows],
+                                     np.stack([c.vector for c in rows]))  # fmt: skip
+                # Even with no rows (added again since): the next sync sees the new job.
+                synced.jobs[file_id] = job
+        return synced
 
     # ------------------------------------------------------------------ ingestion
 
@@ -390,29 +427,33 @@ class DocsService:
         self._pending[record.job] = _Job(record.store_id, record.file_id)
         self._worker.submit((record.store_id, record.file_id, record.job))
 
-    def _requeue_unfinished(self) -> None:
-        """After a restart: files that were being indexed start again."""
-        for store in self.store.stores(None):
-            for record in self.store.store_files(store.id, "in_progress"):
-                self.store.remove_store_file(store.id, record.file_id)
-                again = self.store.add_store_file(
-                    store.id, record.file_id, record.chunking, record.attributes
-                )
-                self._enqueue(again)
+    def _requeue(self, records: Sequence[StoreFileRecord]) -> None:
+        """Jobs that will not end where they were queued (this server restarted, or the
+        replica that held them is gone): each file starts again under a new job."""
+        for record in records:
+            if self.store.store_file(record.store_id, record.file_id) != record:
+                continue  # changed since it was read: someone else has it
+            log.info("ingest %s %s: started again", record.store_id, record.file_id)
+            again = self.store.add_store_file(
+                record.store_id, record.file_id, record.chunking, record.attributes
+            )
+            self._enqueue(again)
+
+    def _leases(self) -> None:
+        """A shared store: renew the leases of this replica's queued jobs, and take over
+        those of replicas that stopped renewing theirs."""
+        while not self._closed.wait(RENEW_S):
+            try:
+                for job_id, job in list(self._pending.items()):
+                    self.store.beat(job.store_id, job.file_id, job_id)
+                self._requeue(self.store.stale_jobs(LEASE_S))
+            except Exception:
+                log.exception("renewing ingestion leases failed; trying again")
 
     def _job_done(self, job: tuple[str, str, str]) -> None:
-        """The ingestion process finished a job: its chunks join the index kept here (when
-        it is still the file's current job)."""
-        store_id, file_id, job_id = job
-        record = self.store.store_file(store_id, file_id)
-        with self._index_lock:
-            index = self._indexes.get(store_id)
-        current = record is not None and record.job == job_id and record.status == "completed"
-        if index is not None and current:
-            rows = [c for c in self.store.chunks(store_id) if c.file_id == file_id]
-            if rows:
-                index.add([c.key for c in rows], [c.terms for c in rows],
-                          np.stack([c.vector for c in rows]))  # fmt: skip
+        """The ingestion process ended a job: its chunks join the index kept here."""
+        store_id, _, job_id = job
+        self._sync(store_id)
         pending = self._pending.pop(job_id, None)
         if pending is not None:
             pending.done.set()

@@ -1,7 +1,8 @@
 """Files, vector stores and their chunks, kept in SQLite (the embedded default: nothing to
-run beside the server). A file's bytes live beside the database, one file each; its text,
-the chunks with their vectors and BM25 terms, and every status live in the database, so the
-search indexes are rebuilt from it at start without embedding anything again.
+run beside the server) or in PostgreSQL (``--docs-url postgresql://...``: several replicas
+share one store; ``docs/db.py``). A file's text, the chunks with their vectors and BM25
+terms, and every status live in the database, so the search indexes are rebuilt from it at
+start without embedding anything again.
 
 Everything is owned by a tenant; lookups take the caller's tenant (None: an admin, who sees
 everything) and treat another tenant's object as absent.
@@ -12,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sqlite3
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,30 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvgate.docs.chunking import Chunk
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, text TEXT, error TEXT
-);
-CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, created_at);
-CREATE TABLE IF NOT EXISTS stores (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT, created_at INTEGER NOT NULL,
-    last_active_at INTEGER NOT NULL, chunking TEXT NOT NULL, metadata TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS store_files (
-    store_id TEXT NOT NULL, file_id TEXT NOT NULL, created_at INTEGER NOT NULL,
-    status TEXT NOT NULL, last_error TEXT, chunking TEXT NOT NULL, attributes TEXT NOT NULL,
-    usage_bytes INTEGER NOT NULL DEFAULT 0, job TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (store_id, file_id)
-);
-CREATE TABLE IF NOT EXISTS chunks (
-    store_id TEXT NOT NULL, file_id TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
-    "end" INTEGER NOT NULL, section TEXT NOT NULL, text TEXT NOT NULL, terms TEXT NOT NULL,
-    vector BLOB NOT NULL, PRIMARY KEY (store_id, file_id, seq)
-);
-"""
-
+from kvgate.docs.db import Database, Row, open_database
 
 _INSERT_CHUNK = (
     'INSERT INTO chunks (store_id, file_id, seq, start, "end", section, text, terms, vector) '
@@ -119,6 +95,8 @@ class StoreFileRecord:
     #: The ingestion job that indexes this row's file: a file added again gets a new one,
     #: and only the current job may write its chunks or its end.
     job: str = ""
+    #: When the job last said it was alive (unix seconds): its lease (``DocStore.beat``).
+    beat_at: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,30 +114,38 @@ class StoredChunk:
 
 
 class DocStore:
-    """The SQLite database and the folder of file bytes under ``directory``."""
+    """The database (``docs/db.py``) and, for SQLite, the folder of file bytes under
+    ``directory``; ``directory`` also spools uploads as they arrive."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], url: str | None = None) -> None:
         self.directory = Path(directory)
         (self.directory / "files").mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(
-            self.directory / "docs.sqlite3", check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        self._lock = threading.Lock()
+        self._db: Database = open_database(self.directory, url)
+        self.url = url
+
+    @property
+    def shared(self) -> bool:
+        """Other processes (replicas) may use this store at the same time."""
+        return self._db.shared
+
+    @property
+    def where(self) -> str:
+        """Where it is, for the log (a URL without its password)."""
+        url = self._db.url
+        if "@" in url and "://" in url:
+            scheme, rest = url.split("://", 1)
+            creds, host = rest.rsplit("@", 1)
+            url = f"{scheme}://{creds.split(':', 1)[0]}@{host}"
+        return url
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
-    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
+        return self._db.rows(sql, args)
 
     def _write(self, sql: str, args: Sequence[Any] = ()) -> int:
-        with self._lock:
-            return self._db.execute(sql, args).rowcount
+        return self._db.write(sql, args)
 
     @staticmethod
     def _owned(tenant: str | None) -> tuple[str, tuple[Any, ...]]:
@@ -167,21 +153,44 @@ class DocStore:
 
     # ------------------------------------------------------------------ files
 
-    def file_path(self, file_id: str) -> Path:
-        return self.directory / "files" / file_id
-
     def add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
         """Take the uploaded bytes at ``data_path`` (moved into the store)."""
         record = FileRecord(
             new_id("file-"), tenant, filename, purpose, data_path.stat().st_size, int(time.time())
         )
-        os.replace(data_path, self.file_path(record.id))
-        self._write(
-            "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (record.id, tenant, filename, purpose, record.bytes, record.created_at),
-        )
+        with self._db.transaction() as tx:
+            if self.shared:
+                tx.write(
+                    "INSERT INTO file_data (id, data) VALUES (?, ?)",
+                    (record.id, data_path.read_bytes()),
+                )
+            tx.write(
+                "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (record.id, tenant, filename, purpose, record.bytes, record.created_at),
+            )
+        if self.shared:
+            data_path.unlink(missing_ok=True)
+        else:
+            os.replace(data_path, self._file_path(record.id))
         return record
+
+    def _file_path(self, file_id: str) -> Path:
+        return self.directory / "files" / file_id
+
+    def local_file(self, file_id: str) -> Path | None:
+        """The file's bytes on this machine's disk (SQLite), else None (they are in the
+        database: ``file_bytes``)."""
+        return None if self.shared else self._file_path(file_id)
+
+    def file_bytes(self, file_id: str) -> bytes:
+        """The uploaded bytes; FileNotFoundError once the file is deleted."""
+        if not self.shared:
+            return self._file_path(file_id).read_bytes()
+        rows = self._rows("SELECT data FROM file_data WHERE id = ?", (file_id,))
+        if not rows:
+            raise FileNotFoundError(file_id)
+        return bytes(rows[0][0])
 
     def set_text(self, file_id: str, text: str | None, error: str | None) -> None:
         self._write("UPDATE files SET text = ?, error = ? WHERE id = ?", (text, error, file_id))
@@ -201,7 +210,7 @@ class DocStore:
             where, args = where + " AND purpose = ?", (*args, purpose)
         rows = self._rows(
             "SELECT id, tenant, filename, purpose, bytes, created_at, NULL, error FROM files "
-            f"WHERE 1 = 1{where} ORDER BY created_at DESC, rowid DESC",
+            f"WHERE 1 = 1{where} ORDER BY created_at DESC, {self._db.rowid} DESC",
             args,
         )
         return [FileRecord(*row) for row in rows]
@@ -214,13 +223,19 @@ class DocStore:
         return int(count), int(total)
 
     def delete_file(self, file_id: str) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM chunks WHERE file_id = ?", (file_id,))
-            self._db.execute("DELETE FROM store_files WHERE file_id = ?", (file_id,))
-            self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-            self._db.execute("COMMIT")
-        self.file_path(file_id).unlink(missing_ok=True)
+        with self._db.transaction() as tx:
+            tx.write("DELETE FROM chunks WHERE file_id = ?", (file_id,))
+            tx.write("DELETE FROM store_files WHERE file_id = ?", (file_id,))
+            tx.write("DELETE FROM files WHERE id = ?", (file_id,))
+            if self.shared:
+                tx.write("DELETE FROM file_data WHERE id = ?", (file_id,))
+        if not self.shared:
+            self._file_path(file_id).unlink(missing_ok=True)
+
+    def stores_holding(self, file_id: str) -> list[str]:
+        """The vector stores that hold the file."""
+        rows = self._rows("SELECT store_id FROM store_files WHERE file_id = ?", (file_id,))
+        return [r[0] for r in rows]
 
     # ------------------------------------------------------------------ vector stores
 
@@ -236,7 +251,7 @@ class DocStore:
         )
         return record
 
-    def _store(self, row: tuple[Any, ...]) -> StoreRecord:
+    def _store(self, row: Row) -> StoreRecord:
         id_, tenant, name, created, active = row[:5]
         return StoreRecord(
             id_, tenant, name, created, active, json.loads(row[5]), json.loads(row[6])
@@ -255,7 +270,7 @@ class DocStore:
         where, args = self._owned(tenant)
         rows = self._rows(
             "SELECT id, tenant, name, created_at, last_active_at, chunking, metadata FROM stores"
-            f" WHERE 1 = 1{where} ORDER BY created_at DESC, rowid DESC",
+            f" WHERE 1 = 1{where} ORDER BY created_at DESC, {self._db.rowid} DESC",
             args,
         )
         return [self._store(r) for r in rows]
@@ -272,55 +287,70 @@ class DocStore:
         )
 
     def delete_store(self, store_id: str) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM chunks WHERE store_id = ?", (store_id,))
-            self._db.execute("DELETE FROM store_files WHERE store_id = ?", (store_id,))
-            self._db.execute("DELETE FROM stores WHERE id = ?", (store_id,))
-            self._db.execute("COMMIT")
+        with self._db.transaction() as tx:
+            tx.write("DELETE FROM chunks WHERE store_id = ?", (store_id,))
+            tx.write("DELETE FROM store_files WHERE store_id = ?", (store_id,))
+            tx.write("DELETE FROM stores WHERE id = ?", (store_id,))
 
     # ------------------------------------------------------------------ a store's files
 
     def add_store_file(
         self, store_id: str, file_id: str, chunking: dict[str, Any], attributes: dict[str, Any]
     ) -> StoreFileRecord:
+        """The file in the store, to be indexed by a new job (replacing any row it had there,
+        and that row's chunks)."""
         record = StoreFileRecord(
             store_id, file_id, int(time.time()), "in_progress", None, chunking, attributes, 0,
             new_id("job_"),
         )  # fmt: skip
-        self._write(
-            "INSERT OR REPLACE INTO store_files (store_id, file_id, created_at, status, "
-            "last_error, chunking, attributes, usage_bytes, job) "
-            "VALUES (?, ?, ?, ?, NULL, ?, ?, 0, ?)",
-            (store_id, file_id, record.created_at, record.status, json.dumps(chunking),
-             json.dumps(attributes), record.job),
-        )  # fmt: skip
+        with self._db.transaction() as tx:
+            tx.write("DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id))
+            tx.write(
+                "DELETE FROM store_files WHERE store_id = ? AND file_id = ?", (store_id, file_id)
+            )
+            tx.write(
+                "INSERT INTO store_files (store_id, file_id, created_at, status, last_error, "
+                "chunking, attributes, usage_bytes, job, beat_at) "
+                "VALUES (?, ?, ?, ?, NULL, ?, ?, 0, ?, ?)",
+                (store_id, file_id, record.created_at, record.status, json.dumps(chunking),
+                 json.dumps(attributes), record.job, record.created_at),
+            )  # fmt: skip
         return record
 
-    def _store_file(self, row: tuple[Any, ...]) -> StoreFileRecord:
+    def _store_file(self, row: Row) -> StoreFileRecord:
         error = json.loads(row[4]) if row[4] else None
         return StoreFileRecord(
             row[0], row[1], row[2], row[3], error, json.loads(row[5]), json.loads(row[6]), row[7],
-            row[8],
+            row[8], row[9],
         )  # fmt: skip
+
+    _STORE_FILE = (
+        "SELECT store_id, file_id, created_at, status, last_error, chunking, attributes, "
+        "usage_bytes, job, beat_at FROM store_files"
+    )
 
     def store_file(self, store_id: str, file_id: str) -> StoreFileRecord | None:
         rows = self._rows(
-            "SELECT store_id, file_id, created_at, status, last_error, chunking, attributes, "
-            "usage_bytes, job FROM store_files WHERE store_id = ? AND file_id = ?",
-            (store_id, file_id),
+            f"{self._STORE_FILE} WHERE store_id = ? AND file_id = ?", (store_id, file_id)
         )
         return self._store_file(rows[0]) if rows else None
 
     def store_files(self, store_id: str, status: str | None = None) -> list[StoreFileRecord]:
         extra, args = ("", ()) if status is None else (" AND status = ?", (status,))
         rows = self._rows(
-            "SELECT store_id, file_id, created_at, status, last_error, chunking, attributes, "
-            f"usage_bytes, job FROM store_files WHERE store_id = ?{extra} "
-            "ORDER BY created_at DESC, rowid DESC",
+            f"{self._STORE_FILE} WHERE store_id = ?{extra} "
+            f"ORDER BY created_at DESC, {self._db.rowid} DESC",
             (store_id, *args),
         )
         return [self._store_file(r) for r in rows]
+
+    def completed_jobs(self, store_id: str) -> dict[str, str]:
+        """The store's indexed files: file id -> the job whose chunks it holds."""
+        rows = self._rows(
+            "SELECT file_id, job FROM store_files WHERE store_id = ? AND status = 'completed'",
+            (store_id,),
+        )
+        return {r[0]: r[1] for r in rows}
 
     def counts(self, store_id: str) -> dict[str, int]:
         """``file_counts`` of a store, by status, with the total."""
@@ -338,6 +368,27 @@ class DocStore:
             (store_id,),
         )
         return int(total)
+
+    def beat(self, store_id: str, file_id: str, job: str) -> bool:
+        """Job ``job`` is alive (its lease renewed); False when the row is gone or belongs
+        to a newer job: the job should stop."""
+        return (
+            self._write(
+                "UPDATE store_files SET beat_at = ? "
+                "WHERE store_id = ? AND file_id = ? AND job = ? AND status = 'in_progress'",
+                (int(time.time()), store_id, file_id, job),
+            )
+            > 0
+        )
+
+    def stale_jobs(self, older_than: float) -> list[StoreFileRecord]:
+        """Jobs still in progress whose lease was last renewed more than ``older_than``
+        seconds ago (0: every job in progress)."""
+        cutoff = int(time.time() - older_than) if older_than > 0 else 2**62
+        rows = self._rows(
+            f"{self._STORE_FILE} WHERE status = 'in_progress' AND beat_at <= ?", (cutoff,)
+        )
+        return [self._store_file(r) for r in rows]
 
     def finish_store_file(
         self,
@@ -365,65 +416,76 @@ class DocStore:
         while the row is still that job's (a file removed or added again meanwhile is left
         to whoever did it); replaces any chunks the file had in the store."""
         usage = sum(len(c.chunk.text.encode()) for c in chunks)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                current = self._db.execute(
-                    "SELECT 1 FROM store_files WHERE store_id = ? AND file_id = ? AND job = ?",
-                    (store_id, file_id, job),
-                ).fetchall()
-                if not current:
-                    self._db.execute("ROLLBACK")
-                    return False
-                self._db.execute(
-                    "DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id)
-                )
-                self._db.executemany(_INSERT_CHUNK, [_chunk_row(c) for c in chunks])
-                self._db.execute(
-                    "UPDATE store_files SET status = 'completed', last_error = NULL, "
-                    "usage_bytes = ? WHERE store_id = ? AND file_id = ?",
-                    (usage, store_id, file_id),
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._db.transaction() as tx:
+            current = tx.rows(
+                "SELECT 1 FROM store_files WHERE store_id = ? AND file_id = ? AND job = ?"
+                + self._db.for_update,
+                (store_id, file_id, job),
+            )
+            if not current:
+                return False
+            tx.write("DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id))
+            tx.write_many(_INSERT_CHUNK, [_chunk_row(c) for c in chunks])
+            tx.write(
+                "UPDATE store_files SET status = 'completed', last_error = NULL, "
+                "usage_bytes = ? WHERE store_id = ? AND file_id = ?",
+                (usage, store_id, file_id),
+            )
         return True
 
     def remove_store_file(self, store_id: str, file_id: str) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute(
-                "DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id)
-            )
-            self._db.execute(
+        with self._db.transaction() as tx:
+            tx.write("DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id))
+            tx.write(
                 "DELETE FROM store_files WHERE store_id = ? AND file_id = ?", (store_id, file_id)
             )
-            self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ chunks
 
+    _CHUNK = 'SELECT c.store_id, c.file_id, c.seq, c.start, c."end", c.section, c.text, c.terms'
+
+    @staticmethod
+    def _chunk(r: Row, vector: bool = True) -> StoredChunk:
+        chunk = Chunk(r[6], r[3], r[4], tuple(json.loads(r[5])))
+        terms = r[7].split("\x1f") if r[7] else []
+        vec = np.frombuffer(bytes(r[8]), np.float32) if vector else np.zeros(0, np.float32)
+        return StoredChunk(r[0], r[1], r[2], chunk, terms, vec)
+
     def chunks(self, store_id: str) -> Iterator[StoredChunk]:
         rows = self._rows(
-            'SELECT store_id, file_id, seq, start, "end", section, text, terms, vector '
-            "FROM chunks WHERE store_id = ? ORDER BY file_id, seq",
+            f"{self._CHUNK}, c.vector FROM chunks c WHERE c.store_id = ? ORDER BY c.file_id, c.seq",
             (store_id,),
         )
         for r in rows:
-            chunk = Chunk(r[6], r[3], r[4], tuple(json.loads(r[5])))
-            terms = r[7].split("\x1f") if r[7] else []
-            yield StoredChunk(r[0], r[1], r[2], chunk, terms, np.frombuffer(r[8], np.float32))
+            yield self._chunk(r)
+
+    def job_chunks(self, store_id: str, file_id: str, job: str) -> list[StoredChunk]:
+        """The chunks job ``job`` wrote, read in one statement with the row that says the
+        job completed (none when it has not, or the file was added again since)."""
+        rows = self._rows(
+            f"{self._CHUNK}, c.vector FROM chunks c JOIN store_files f "
+            "ON f.store_id = c.store_id AND f.file_id = c.file_id "
+            "WHERE c.store_id = ? AND c.file_id = ? AND f.job = ? AND f.status = 'completed' "
+            "ORDER BY c.seq",
+            (store_id, file_id, job),
+        )
+        return [self._chunk(r) for r in rows]
+
+    def chunk_places(self, store_id: str) -> list[StoredChunk]:
+        """Every chunk of a store without its text, terms or vector (filters read only
+        where each lies)."""
+        rows = self._rows(
+            'SELECT c.store_id, c.file_id, c.seq, c.start, c."end", c.section, '
+            "'', '' FROM chunks c WHERE c.store_id = ? ORDER BY c.file_id, c.seq",
+            (store_id,),
+        )
+        return [self._chunk(r, vector=False) for r in rows]
 
     def chunk(self, store_id: str, key: str) -> StoredChunk | None:
         file_id, _, seq = key.rpartition("#")
         rows = self._rows(
-            'SELECT store_id, file_id, seq, start, "end", section, text, terms, vector '
-            "FROM chunks WHERE store_id = ? AND file_id = ? AND seq = ?",
+            f"{self._CHUNK}, c.vector FROM chunks c "
+            "WHERE c.store_id = ? AND c.file_id = ? AND c.seq = ?",
             (store_id, file_id, int(seq)),
         )
-        if not rows:
-            return None
-        r = rows[0]
-        chunk = Chunk(r[6], r[3], r[4], tuple(json.loads(r[5])))
-        terms = r[7].split("\x1f") if r[7] else []
-        return StoredChunk(r[0], r[1], r[2], chunk, terms, np.frombuffer(r[8], np.float32))
+        return self._chunk(rows[0]) if rows else None

@@ -94,6 +94,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "$KVGATE_DATA_DIR, else ~/.local/share/kvgate)",
     )
     g.add_argument(
+        "--docs-url",
+        default=None,
+        help="the documents database: postgresql://user@host/db to share files and vector "
+        "stores between replicas (default: $KVGATE_DOCS_URL, else SQLite in --data-dir)",
+    )
+    g.add_argument(
         "--ingest-priority",
         default="batch",
         choices=["critical", "standard", "batch"],
@@ -277,6 +283,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         access_log=a.access_log,
         usage_db=a.usage_db,
         data_dir=a.data_dir,
+        docs_url=a.docs_url,
         ingest_priority=a.ingest_priority,
         log_level=a.log_level,
         limits=RequestLimits(

@@ -35,7 +35,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
-from kvgate.errors import InvalidRequest, KVGateError
+from kvgate.errors import InvalidConfig, InvalidRequest, KVGateError
 from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
@@ -199,8 +199,12 @@ def _governance(config: ServerConfig) -> Governance:
 
 def _docs(config: ServerConfig, governance: Governance) -> DocsService:
     directory = config.data_dir or os.environ.get("KVGATE_DATA_DIR") or docs_default_dir()
-    store = DocStore(directory)
-    log.info("files and vector stores: %s", store.directory)
+    url = config.docs_url or os.environ.get("KVGATE_DOCS_URL") or None
+    try:
+        store = DocStore(directory, url)
+    except ValueError as exc:
+        raise InvalidConfig(str(exc), param="docs_url") from None
+    log.info("files and vector stores: %s (uploads spooled in %s)", store.where, store.directory)
 
     def limits(tenant: str) -> StorageLimits:
         spec = governance.spec(tenant)

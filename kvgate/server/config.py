@@ -54,6 +54,9 @@ class ServerConfig:
     #: Where files, vector stores and their indexes live (None: $KVGATE_DATA_DIR, else
     #: ~/.local/share/kvgate); see kvgate/docs.
     data_dir: str | None = None
+    #: The documents database (None: $KVGATE_DOCS_URL, else SQLite in ``data_dir``): a
+    #: ``postgresql://`` URL shares files and vector stores between replicas.
+    docs_url: str | None = None
     #: The priority class document ingestion runs at (its thread's OS priority).
     ingest_priority: str = "batch"
     #: What one request may make the server do (body size, prompt size, stop lists, read

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
-from kvgate.docs.service import DocsService
+from kvgate.docs.service import DocsService, NotFound
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import key_digest
 from kvgate.server.access_log import access_record
@@ -129,12 +130,22 @@ def install_file_routes(app: FastAPI) -> None:
         return docs.file(who.scope, file_id).as_api()
 
     @app.get("/v1/files/{file_id}/content")
-    def file_content(file_id: str, docs: Docs, who: Who) -> FileResponse:
+    def file_content(file_id: str, docs: Docs, who: Who) -> Response:
         record = docs.file(who.scope, file_id)
-        return FileResponse(
-            docs.store.file_path(record.id),
+        local = docs.store.local_file(record.id)
+        if local is not None:
+            return FileResponse(
+                local, media_type="application/octet-stream", filename=record.filename
+            )
+        try:
+            data = docs.store.file_bytes(record.id)
+        except FileNotFoundError:
+            raise NotFound(f"No such file: {file_id!r}", param="file_id") from None
+        quoted = urllib.parse.quote(record.filename)
+        return Response(
+            data,
             media_type="application/octet-stream",
-            filename=record.filename,
+            headers={"content-disposition": f"attachment; filename*=utf-8''{quoted}"},
         )
 
     @app.delete("/v1/files/{file_id}")

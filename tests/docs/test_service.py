@@ -1,5 +1,6 @@
 """The documents service on its own, with a small deterministic embedder: ingestion,
-search, filters, removal, and indexes rebuilt from SQLite after a restart."""
+search, filters, removal, and indexes rebuilt from the database after a restart; each on
+SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -42,8 +43,17 @@ class CharEmbedder:
         return len(text)
 
 
-def _service(directory: Path, **limits: int) -> DocsService:
-    return DocsService(DocStore(directory), CharEmbedder, lambda _: StorageLimits(**limits))
+@pytest.fixture(params=["sqlite", "postgres"])
+def docs_url(request: pytest.FixtureRequest) -> str | None:
+    """Every test here on each database: SQLite (the default) and PostgreSQL."""
+    if request.param == "sqlite":
+        return None
+    url: str = request.getfixturevalue("postgres_db")
+    return url
+
+
+def _service(directory: Path, url: str | None, **limits: int) -> DocsService:
+    return DocsService(DocStore(directory, url), CharEmbedder, lambda _: StorageLimits(**limits))
 
 
 def _upload(docs: DocsService, tmp: Path, tenant: str, name: str, data: bytes) -> str:
@@ -52,8 +62,8 @@ def _upload(docs: DocsService, tmp: Path, tenant: str, name: str, data: bytes) -
     return docs.add_file(tenant, name, "assistants", path).id
 
 
-def test_ingest_search_and_rebuild_after_a_restart(tmp_path: Path) -> None:
-    docs = _service(tmp_path / "data")
+def test_ingest_search_and_rebuild_after_a_restart(tmp_path: Path, docs_url: str | None) -> None:
+    docs = _service(tmp_path / "data", docs_url)
     file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
     store = docs.create_store("t", "laws", [file_id], {"type": "auto"}, {})
     assert docs.wait_idle()
@@ -66,13 +76,14 @@ def test_ingest_search_and_rebuild_after_a_restart(tmp_path: Path) -> None:
     assert LAW[a:b] == hits[0].text
     before = [(h.file_id, h.text) for h in docs.search("t", [store.id], "工资", 4)]
     docs.close()
-    again = _service(tmp_path / "data")  # nothing embedded again: the index comes from SQLite
+    # Nothing embedded again: the index comes from the database.
+    again = _service(tmp_path / "data", docs_url)
     assert [(h.file_id, h.text) for h in again.search("t", [store.id], "工资", 4)] == before
     again.close()
 
 
-def test_filters_removal_and_ownership(tmp_path: Path) -> None:
-    docs = _service(tmp_path / "data")
+def test_filters_removal_and_ownership(tmp_path: Path, docs_url: str | None) -> None:
+    docs = _service(tmp_path / "data", docs_url)
     one = _upload(docs, tmp_path, "t", "one.md", LAW.encode())
     two = _upload(docs, tmp_path, "t", "two.md", "第一条 年休假的规定。\n".encode())
     store = docs.create_store("t", None, [], {"type": "auto"}, {})
@@ -101,8 +112,8 @@ def test_filters_removal_and_ownership(tmp_path: Path) -> None:
     docs.close()
 
 
-def test_quotas_count_a_tenants_files_only(tmp_path: Path) -> None:
-    docs = _service(tmp_path / "data", max_files=1)
+def test_quotas_count_a_tenants_files_only(tmp_path: Path, docs_url: str | None) -> None:
+    docs = _service(tmp_path / "data", docs_url, max_files=1)
     _upload(docs, tmp_path, "t", "a.md", b"a")
     _upload(docs, tmp_path, "u", "b.md", b"b")  # another tenant's count
     with pytest.raises(StorageQuotaExceeded, match="max_files"):
@@ -111,8 +122,8 @@ def test_quotas_count_a_tenants_files_only(tmp_path: Path) -> None:
     docs.close()
 
 
-def test_context_expansion_stays_under_the_heading(tmp_path: Path) -> None:
-    docs = _service(tmp_path / "data")
+def test_context_expansion_stays_under_the_heading(tmp_path: Path, docs_url: str | None) -> None:
+    docs = _service(tmp_path / "data", docs_url)
     file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
     store = docs.create_store("t", None, [file_id], {"type": "auto"}, {})
     assert docs.wait_idle()
@@ -133,8 +144,10 @@ class SlowEmbedder(CharEmbedder):
         return super().passages(texts)
 
 
-def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(tmp_path: Path) -> None:
-    docs = DocsService(DocStore(tmp_path / "data"), SlowEmbedder)
+def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(
+    tmp_path: Path, docs_url: str | None
+) -> None:
+    docs = DocsService(DocStore(tmp_path / "data", docs_url), SlowEmbedder)
     long_law = "\n\n".join(f"第{i}条 内容{i}。" for i in range(1, 200))
     file_id = _upload(docs, tmp_path, "t", "long.md", long_law.encode())
     store = docs.create_store("t", None, [file_id], {"type": "auto"}, {})
@@ -157,8 +170,10 @@ def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(tmp_path: P
     docs.close()
 
 
-def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(tmp_path: Path) -> None:
-    docs = DocsService(DocStore(tmp_path / "data"), SlowEmbedder)
+def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(
+    tmp_path: Path, docs_url: str | None
+) -> None:
+    docs = DocsService(DocStore(tmp_path / "data", docs_url), SlowEmbedder)
     law = "\n\n".join(f"第{i}条 内容{i}。" for i in range(1, 60))
     file_id = _upload(docs, tmp_path, "t", "law.md", law.encode())
     static = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 0}}
@@ -172,4 +187,59 @@ def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(tmp_path: Pat
     assert len(rows) == 59 and all(r.chunk.section for r in rows)  # one per article, auto's
     hits = docs.search("t", [store.id], "内容7", 100)
     assert len(hits) == len({h.key for h in hits}) <= 59
+    docs.close()
+
+
+def test_replicas_on_one_postgres_store_see_each_others_work(
+    tmp_path: Path, postgres_db: str
+) -> None:
+    """Two services (two replicas' worth) on one PostgreSQL database, each with its own
+    folder, ingestion process and in-process index: what one ingests or removes, the other
+    searches at once; ownership holds across them."""
+    a = _service(tmp_path / "a", postgres_db)
+    b = _service(tmp_path / "b", postgres_db)
+    file_id = _upload(a, tmp_path, "t", "law.md", LAW.encode())
+    store = a.create_store("t", "laws", [file_id], {"type": "auto"}, {})
+    assert a.wait_idle()
+    assert b.store.file_bytes(file_id) == LAW.encode()  # the bytes are in the database
+    (hit, *_) = b.search("t", [store.id], "带薪年休假 累计工作满一年", 2)
+    assert hit.attributes["section"] == "示例法 / 第二章 休假 / 第三条"
+    with pytest.raises(NotFound):
+        b.search("other", [store.id], "年休假")
+    # b adds a file; a, whose index is already built, searches it without a restart.
+    overtime = "第一条 加班费按照工资的百分之一百五十支付。\n".encode()
+    other = _upload(b, tmp_path, "t", "other.md", overtime)
+    b.add_store_file("t", store.id, other, None, {})
+    assert b.wait_idle()
+    assert a.search("t", [store.id], "加班费", 1)[0].file_id == other
+    b.delete_file("t", other)
+    assert other not in {h.file_id for h in a.search("t", [store.id], "加班费", 10)}
+    a.close()
+    b.close()
+
+
+def test_a_replica_takes_over_jobs_whose_lease_ran_out(tmp_path: Path, postgres_db: str) -> None:
+    """A job whose replica stopped renewing its lease is started again by another replica;
+    one whose lease is fresh is left to its owner."""
+    from kvgate.docs.service import LEASE_S
+
+    seed = _service(tmp_path / "seed", postgres_db)
+    dead = _upload(seed, tmp_path, "t", "dead.md", LAW.encode())
+    live = _upload(seed, tmp_path, "t", "live.md", LAW.encode())
+    store = seed.store.add_store("t", None, {"type": "auto"}, {})
+    seed.close()
+    rows = DocStore(tmp_path / "rows", postgres_db)  # jobs queued by replicas not running
+    orphan = rows.add_store_file(store.id, dead, {"type": "auto"}, {})
+    held = rows.add_store_file(store.id, live, {"type": "auto"}, {})
+    rows._write(
+        "UPDATE store_files SET beat_at = ? WHERE job = ?",
+        (int(time.time() - LEASE_S - 5), orphan.job),
+    )
+    rows.close()
+    docs = _service(tmp_path / "b", postgres_db)
+    assert docs.wait_idle()
+    taken = docs.store.store_file(store.id, dead)
+    left = docs.store.store_file(store.id, live)
+    assert taken is not None and taken.status == "completed" and taken.job != orphan.job
+    assert left is not None and left.status == "in_progress" and left.job == held.job
     docs.close()

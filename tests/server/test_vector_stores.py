@@ -51,8 +51,22 @@ def docs_server(
     live.stop()
 
 
+_CLIENTS: list[openai.OpenAI] = []
+
+
 def _client(live: LiveServer, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.api_url, api_key=key, max_retries=0)
+    client = openai.OpenAI(base_url=live.api_url, api_key=key, max_retries=0)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Each test's clients closed after it (left to the garbage collector, a pooled
+    connection could be closed in another test, and ResourceWarnings are errors here)."""
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 def _wait(client: openai.OpenAI, store_id: str, timeout: float = 120) -> openai.types.VectorStore:
@@ -371,3 +385,35 @@ def test_keys_that_name_no_tenant_do_not_share_documents(live_server: LiveServer
         assert made.id not in [f.id for f in other.files.list()]
         with pytest.raises(openai.NotFoundError):
             other.files.retrieve(made.id)
+
+
+def test_two_servers_share_one_postgres_store(
+    tiny_llama_dir: Path, tmp_path: Path, postgres_db: str
+) -> None:
+    """Two servers (two replicas) started with the same ``docs_url``: a file uploaded and
+    indexed through one is read, searched and answered from through the other, with the
+    official client, and still belongs to its tenant alone."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = start_tenants_server(tiny_llama_dir, TENANTS, tmp_path / "one", docs_url=postgres_db)
+    two = start_tenants_server(tiny_llama_dir, TENANTS, tmp_path / "two", docs_url=postgres_db)
+    try:
+        up = _client(one, "sk-a")
+        name = LAWS[0]
+        law = up.files.create(file=(name, (CORPUS / name).read_bytes()), purpose="assistants")
+        store = up.vector_stores.create(file_ids=[law.id])
+        _wait(up, store.id)
+        there = _client(two, "sk-a")
+        assert there.files.content(law.id).read() == (CORPUS / name).read_bytes()
+        top = there.vector_stores.search(store.id, query="工作满十年的职工一年能休几天年假？")
+        assert top.data[0].attributes["section"] == "职工带薪年休假条例 / 第三条"  # type: ignore[index]
+        answer = there.responses.create(
+            model="tiny", input="年休假几天？", max_output_tokens=4,
+            tools=[{"type": "file_search", "vector_store_ids": [store.id]}],
+        )  # fmt: skip
+        assert answer.output[0].type == "file_search_call"
+        with pytest.raises(openai.NotFoundError):
+            _client(two, "sk-b").vector_stores.search(store.id, query="年休假")
+    finally:
+        one.stop()
+        two.stop()
