@@ -113,22 +113,38 @@ class Door:
                 param="stop_token_ids",
             )
 
-    def enter(self, tenant: str, body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Charge the tenant's request rate, then check the body's sizes; raises the
-        refusal, counted for the tenant."""
-        tenants = self.governance.tenants
-        if not tenants.open and tenant not in tenants.tenants:
-            # The key was valid when checked, and a reload removed its tenant since: the
-            # request must not run on default settings.
-            raise AuthenticationFailed(f"tenant {tenant!r} no longer exists: its key is revoked")
-        spec = tenants.spec(tenant)
+    def enter(
+        self,
+        tenant: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        charged: bool = False,
+    ) -> None:
+        """Charge the tenant's request rate (unless ``charged`` already, by ``charge``),
+        then check the body's sizes; raises the refusal, counted for the tenant."""
+        if not charged:
+            charge(self.governance, tenant, (body.n or 1) * _num_prompts(body))
+        spec = self.governance.tenants.spec(tenant)
         try:
-            # The tenant's requests per minute, over every model of the server.
-            self.governance.rates.charge_requests(spec, (body.n or 1) * _num_prompts(body))
             self.check_sizes(body, spec)
         except KVGateError as exc:
             self.governance.count_refusal(tenant, exc.code)
             raise
+
+
+def charge(governance: Governance, tenant: str, n: int = 1) -> None:
+    """Take ``n`` requests from the tenant's requests per minute (over every model of the
+    server, and for work that is no generation: a document search), before any work is
+    done; raises the refusal, counted for the tenant."""
+    tenants = governance.tenants
+    if not tenants.open and tenant not in tenants.tenants:
+        # The key was valid when checked, and a reload removed its tenant since: the
+        # request must not run on default settings.
+        raise AuthenticationFailed(f"tenant {tenant!r} no longer exists: its key is revoked")
+    try:
+        governance.rates.charge_requests(tenants.spec(tenant), n)
+    except KVGateError as exc:
+        governance.count_refusal(tenant, exc.code)
+        raise
 
 
 def _num_prompts(body: ChatCompletionRequest | CompletionRequest) -> int:

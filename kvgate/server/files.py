@@ -35,6 +35,8 @@ class Caller:
 
     tenant: str
     admin: bool = False
+    #: The tenant whose request rate its searches are charged to (None: an admin key).
+    rate_tenant: str | None = None
 
     @property
     def scope(self) -> str | None:
@@ -57,8 +59,8 @@ def docs_caller(request: Request) -> Caller:
     access_record(request).tenant = tenant
     key = (auth or "").partition(" ")[2].strip()
     if tenant is None or tenants.key_salt(auth) is not None:
-        return Caller(f"key:{key_digest(key).hex()}", admin)
-    return Caller(tenant, admin)
+        return Caller(f"key:{key_digest(key).hex()}", admin, tenant)
+    return Caller(tenant, admin, tenant)
 
 
 def docs_service(request: Request) -> DocsService:

@@ -37,7 +37,7 @@ from kvgate.server.access_log import access_record
 from kvgate.server.chat import chat_prompt_ids
 from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import chat_constraints
-from kvgate.server.door import off_loop
+from kvgate.server.door import charge, off_loop
 from kvgate.server.errors import error_body, status_of
 from kvgate.server.files import docs_caller
 from kvgate.server.protocol import ChatCompletionRequest
@@ -307,6 +307,8 @@ async def create_response(
     record = access_record(http)
     record.model = ctx.served_model_name
     answer = _Answer(body, ctx.served_model_name, record.request_id)
+    # The tenant's request rate first: the search, the embedding and the answer are work.
+    charge(ctx.governance, record.tenant or DEFAULT_TENANT)
     if tool is not None:
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             docs.vector_store(tenant, store_id)
@@ -314,7 +316,7 @@ async def create_response(
     spec = ctx.governance.spec(record.tenant or DEFAULT_TENANT)
     context = min(ctx.max_model_len, spec.max_context or ctx.max_model_len)
     chat = _chat_body(body, answer, ctx, question, context)
-    ctx.door.enter(record.tenant or DEFAULT_TENANT, chat)
+    ctx.door.enter(record.tenant or DEFAULT_TENANT, chat, charged=True)
     constraints = chat_constraints(chat)
     prompt = await off_loop(chat_prompt_ids, ctx, chat, constraints)
     record.prompt_tokens = len(prompt)

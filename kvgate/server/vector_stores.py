@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.docs import filters as attribute_filters
+from kvgate.docs.query import rewrite
 from kvgate.docs.service import DocsService, NotFound, chunking_of
 from kvgate.docs.store import StoreFileRecord, StoreRecord, new_id
 from kvgate.errors import InvalidRequest
+from kvgate.server.door import charge
 from kvgate.server.files import Docs, Who, page
 
 Scalar = str | int | float | bool
@@ -202,12 +204,18 @@ def install_vector_store_routes(app: FastAPI) -> None:
         return _batch_object(docs, store_id, batch_id)
 
     @app.post("/v1/vector_stores/{store_id}/search")
-    async def search(store_id: str, body: Search, docs: Docs, who: Who) -> dict[str, Any]:
+    async def search(
+        store_id: str, body: Search, docs: Docs, who: Who, request: Request
+    ) -> dict[str, Any]:
+        if who.rate_tenant is not None:  # a search is a request: the tenant's rate holds
+            charge(request.app.state.kvgate.governance, who.rate_tenant)
         if body.filters is not None:
             attribute_filters.check(body.filters)
         queries = [body.query] if isinstance(body.query, str) else body.query
         if not queries or not all(q.strip() for q in queries):
             raise InvalidRequest("query must not be empty", param="query")
+        if body.rewrite_query:
+            queries = [rewrite(q) for q in queries]
         if len(" ".join(queries)) > 8192:
             raise InvalidRequest("query is longer than 8192 characters", param="query")
         results = await run_in_threadpool(

@@ -32,6 +32,9 @@ keys = ["sk-b"]
 keys = ["sk-small"]
 max_files = 2
 max_storage_bytes = 5000
+[tenants.slow]
+keys = ["sk-slow"]
+requests_per_minute = 2
 """
 
 
@@ -215,6 +218,34 @@ def test_bad_files_fail_alone_and_the_store_stays_usable(docs_server: LiveServer
     done = _wait(client, store.id)
     assert gone.id not in [f.id for f in client.vector_stores.files.list(store.id)]
     assert client.vector_stores.search(store.id, query="好的文件").data[0].file_id == good.id
+
+
+def test_rewrite_query_says_what_it_searched(
+    docs_server: LiveServer, laws_store: tuple[str, dict[str, str]]
+) -> None:
+    store_id, _ = laws_store
+    client = _client(docs_server, "sk-a")
+    page = client.vector_stores.search(
+        store_id, query="请问工作满十年的职工一年能休几天年假？", rewrite_query=True
+    )
+    assert page.search_query == ["工作满十年的职工一年能休几天年假"]
+    assert page.data[0].attributes["section"] == "职工带薪年休假条例 / 第三条"  # type: ignore[index]
+
+
+def test_searches_count_against_the_request_rate(docs_server: LiveServer) -> None:
+    """Searching embeds the query: a search is a request, and the tenant's
+    requests_per_minute holds for it (and for Responses before their search)."""
+    client = _client(docs_server, "sk-slow")
+    store = client.vector_stores.create(name="empty")
+    client.vector_stores.search(store.id, query="年休假")
+    client.vector_stores.search(store.id, query="年休假")
+    with pytest.raises(openai.RateLimitError):
+        client.vector_stores.search(store.id, query="年休假")
+    with pytest.raises(openai.RateLimitError):
+        client.responses.create(
+            model="tiny", input="年休假几天？",
+            tools=[{"type": "file_search", "vector_store_ids": [store.id]}],
+        )  # fmt: skip
 
 
 def test_storage_quotas(docs_server: LiveServer) -> None:
