@@ -41,6 +41,7 @@ from kvgate.server.door import charge, off_loop
 from kvgate.server.errors import error_body, status_of
 from kvgate.server.files import docs_caller
 from kvgate.server.protocol import ChatCompletionRequest
+from kvgate.server.rerank import RANKER, rerank
 from kvgate.server.respond import run_merged
 from kvgate.server.routing import Route
 from kvgate.server.serving import ServingContext
@@ -67,11 +68,19 @@ class InputMessage(_Body):
     content: str | list[InputText]
 
 
+class RankingOptions(_Body):
+    #: OpenAI's rankers are the retriever's own order here; ``kvgate-llm``: reranked by
+    #: the served model (server/rerank.py).
+    ranker: Literal["auto", "default-2024-11-15", "none", "kvgate-llm"] | None = None
+    score_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
+
+
 class FileSearchTool(_Body):
     type: Literal["file_search"]
     vector_store_ids: Annotated[list[str], Field(min_length=1, max_length=16)]
     max_num_results: Annotated[int, Field(ge=1, le=50)] = 8
     filters: dict[str, Any] | None = None
+    ranking_options: RankingOptions | None = None
 
 
 class ResponsesRequest(_Body):
@@ -224,12 +233,24 @@ def _extract(result: SearchResult, question: str) -> str:
 
 
 async def _retrieve(
-    docs: DocsService, tenant: str, tool: FileSearchTool, answer: _Answer, question: str
+    ctx: ServingContext,
+    http: Request,
+    docs: DocsService,
+    tenant: str,
+    tool: FileSearchTool,
+    answer: _Answer,
+    question: str,
 ) -> None:
     answer.queries = [question]
-    answer.results = await run_in_threadpool(
+    results = await run_in_threadpool(
         docs.search, tenant, tool.vector_store_ids, question, tool.max_num_results, tool.filters
     )
+    ranking = tool.ranking_options or RankingOptions()
+    if ranking.score_threshold is not None:
+        results = [r for r in results if r.score >= ranking.score_threshold]
+    if ranking.ranker == RANKER:
+        results = await rerank(ctx, http, results, question, answer.id)
+    answer.results = results
     body = answer.body
 
     def expanded() -> list[SearchResult]:
@@ -312,7 +333,7 @@ async def create_response(
     if tool is not None:
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             docs.vector_store(tenant, store_id)
-        await _retrieve(docs, tenant, tool, answer, question)
+        await _retrieve(ctx, http, docs, tenant, tool, answer, question)
     spec = ctx.governance.spec(record.tenant or DEFAULT_TENANT)
     context = min(ctx.max_model_len, spec.max_context or ctx.max_model_len)
     chat = _chat_body(body, answer, ctx, question, context)

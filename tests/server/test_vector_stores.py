@@ -4,6 +4,7 @@ background, search with the clause's place; tenants kept apart; bad files and qu
 from __future__ import annotations
 
 import io
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from kvgate.server.limits import RequestLimits
-from tests.server.conftest import LiveServer, start_tenants_server
+from tests.server.conftest import LiveServer, scrape_metrics, start_tenants_server
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "longdoc" / "corpus"
 LAWS = (
@@ -448,3 +449,47 @@ def test_two_servers_share_one_postgres_store(
     finally:
         one.stop()
         two.stop()
+
+
+def _generated(live: LiveServer, tenant: str) -> float:
+    values = scrape_metrics(live, "sk-admin")
+    return sum(
+        v for k, v in values.items()
+        if k.startswith("kvgate:tenant_generation_tokens") and f'tenant="{tenant}"' in k
+    )  # fmt: skip
+
+
+def test_llm_rerank_judges_each_passage_as_the_callers_requests(
+    docs_server: LiveServer, laws_store: tuple[str, dict[str, str]]
+) -> None:
+    """``ranker: kvgate-llm``: the served model judges every passage, one token each, as
+    the tenant's own requests (its usage counts them); the answer cites what the retriever
+    found, in the model's order."""
+    store_id, _ = laws_store
+    client = _client(docs_server, "sk-a")
+    tool = {"type": "file_search", "vector_store_ids": [store_id], "max_num_results": 4}
+    found = client.vector_stores.search(store_id, query="年休假几天？", max_num_results=4)
+    before = _generated(docs_server, "a")
+    ranked = client.responses.create(
+        model="tiny", input="年休假几天？", max_output_tokens=1,
+        tools=[{**tool, "ranking_options": {"ranker": "kvgate-llm"}}],  # type: ignore[list-item]
+        include=["file_search_call.results"],
+    )  # fmt: skip
+    judged = _generated(docs_server, "a") - before - ranked.usage.output_tokens  # type: ignore[union-attr]
+    assert len(found.data) == 4 and judged == 4  # one token per passage, on the tenant
+    cited = ranked.output[0].results  # type: ignore[union-attr]
+    assert cited and {r.text for r in cited} <= {d.content[0].text for d in found.data}
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(
+            model="tiny", input="x",
+            tools=[{**tool, "ranking_options": {"ranker": "mine"}}],  # type: ignore[list-item]
+        )  # fmt: skip
+
+
+def test_judgement_compares_yes_with_no() -> None:
+    from kvgate.server.rerank import _judgement
+
+    top = ((1, math.log(0.6)), (2, math.log(0.3)), (3, math.log(0.1)))
+    assert _judgement(top, {1}, {2}) == pytest.approx(math.log(2))
+    assert _judgement(top, {2}, {1}) == pytest.approx(-math.log(2))
+    assert _judgement(top, {9}, {1}) == pytest.approx(math.log(0.1 / 0.6))  # yes unseen
