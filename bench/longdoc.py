@@ -8,6 +8,10 @@ way a vector store does it (kvgate/docs), then every development question is sea
 A hit is a chunk of the gold document that begins the gold article (a line starting with
 its heading, e.g. 第十九条) or holds most of its text. Also printed: chunking + embedding
 throughput (characters per second) and search latency p50/p99. Ratios come last.
+
+``--rerank MODEL`` adds a row: ``auto`` hybrid's top 10 reordered by the model's yes/no
+judgement of each passage (kvgate/docs/rerank.py, what ``ranker: "kvgate-llm"`` does in
+the server), run offline with kvgate's engine; recall@10 cannot change, @1 and @5 can.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from kvgate.docs import retrieval
 from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.docs.rerank import TOP_LOGPROBS, answer_ids, judgement, question_for, reorder
 from kvgate.docs.retrieval import E5Embedder, HybridIndex, index_text, words
 
 
@@ -102,6 +107,56 @@ def build(
     return index, chunks, time.perf_counter() - start, chars
 
 
+class _Judge:
+    """Offline rerank of the top 10 by a model (kvgate/docs/rerank.py)."""
+
+    def __init__(self, model: str) -> None:
+        from kvgate import LLM
+
+        self.llm = LLM(model)
+        tok = self.llm.tokenizer
+        self.yes, self.no = answer_ids(lambda w: tok.encode(w, add_special_tokens=False))
+
+    def _prompt(self, question: str, passage: str) -> list[int]:
+        tok = self.llm.tokenizer
+        messages = [{"role": "user", "content": question_for(question, passage)}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    def ranks(
+        self,
+        questions: list[dict[str, str]],
+        index: HybridIndex,
+        chunks: dict[str, tuple[str, Chunk]],
+        embedder: CachedEmbedder,
+    ) -> dict[str, list[int]]:
+        from kvgate import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP_LOGPROBS)
+        ranks: dict[str, list[int]] = defaultdict(list)
+        start = time.perf_counter()
+        for q in questions:
+            hits = index.search(words(q["question"]), embedder.query(q["question"]), 10)
+            outs = self.llm.generate(
+                [self._prompt(q["question"], chunks[h.key][1].text) for h in hits], params
+            )
+            scores = [
+                judgement(o.logprobs[0].top_logprobs, self.yes, self.no) if o.logprobs else 0.0
+                for o in outs
+            ]
+            ordered = [hits[i] for i in reorder(scores)]
+            rank = next(
+                (i + 1 for i, h in enumerate(ordered)
+                 if chunks[h.key][0] == q["doc"]
+                 and _hit(chunks[h.key][1], q["article"], q["evidence"])),
+                99,
+            )  # fmt: skip
+            for group in ("all", q["type"]):
+                ranks[group].append(rank)
+        print(f"  rerank: {time.perf_counter() - start:.1f} s for {len(questions)} questions")
+        return ranks
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/longdoc"))
@@ -113,7 +168,9 @@ def main() -> int:
     p.add_argument("--show-misses", action="store_true", help="print questions missed at @5")
     p.add_argument("--bm25-weight", type=float, default=retrieval.BM25_WEIGHT)
     p.add_argument("--dense-weight", type=float, default=retrieval.DENSE_WEIGHT)
+    p.add_argument("--rerank", default=None, help="a model to rerank auto/hybrid's top 10 with")
     a = p.parse_args()
+    judge = _Judge(a.rerank) if a.rerank else None
     retrieval.BM25_WEIGHT, retrieval.DENSE_WEIGHT = a.bm25_weight, a.dense_weight
     corpus = Path(a.corpus)
     questions = [json.loads(line) for line in (corpus / "dev_questions.jsonl").open()]
@@ -158,6 +215,8 @@ def main() -> int:
             p50 = latencies[len(latencies) // 2] * 1e3
             p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3
             results[(chunking, mode)] = ranks
+            if judge is not None and (chunking, mode) == ("auto", "hybrid"):
+                results[(chunking, "rerank")] = judge.ranks(questions, index, chunks, embedder)
             print(f"  {mode}: search p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)
     print("\nrecall@1 / @5 / @10 of the gold article, by question type")
     groups = sorted({g for r in results.values() for g in r}, key=lambda g: (g != "all", g))

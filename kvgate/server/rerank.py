@@ -6,18 +6,21 @@ all passages one batch). Ties keep the retriever's order.
 
 The passages run as the caller's own requests, through the same admission as any other:
 the tenant's token budgets, KV quota and queue share apply, and its usage is recorded.
-Its effect on recall is not measured yet (bench/longdoc.py measures the retriever alone);
-a model as small as the shipped ones is expected to judge Chinese passages poorly, which is
-why it is off unless asked for.
+Its effect on recall: ``bench/longdoc.py --rerank MODEL`` (the README has the figures).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 from fastapi import Request
 
+from kvgate.docs.rerank import (
+    MAX_PASSAGES,
+    TOP_LOGPROBS,
+    answer_ids,
+    judgement,
+    question_for,
+    reorder,
+)
 from kvgate.docs.service import SearchResult
 from kvgate.server.chat import chat_prompt_ids
 from kvgate.server.choices import admit_choices
@@ -29,39 +32,6 @@ from kvgate.server.serving import ServingContext
 from kvgate.server.tracing import CHAT
 
 RANKER = "kvgate-llm"
-#: At most this many passages are judged (the rest keep their places after them), each cut
-#: to this many characters.
-MAX_PASSAGES = 10
-MAX_PASSAGE_CHARS = 1200
-TOP_LOGPROBS = 20
-
-_ASK = (
-    "Question: {question}\n\nPassage:\n{passage}\n\n"
-    "Does the passage answer the question? Answer Yes or No."
-)
-
-
-def _first_ids(ctx: ServingContext, words: Sequence[str]) -> set[int]:
-    ids = set()
-    for w in words:
-        encoded = ctx.tokenizer.encode(w, add_special_tokens=False)
-        if encoded:
-            ids.add(encoded[0])
-    return ids
-
-
-def _judgement(top: Sequence[tuple[int, float]], yes: set[int], no: set[int]) -> float:
-    """log P(yes) - log P(no) over the top alternatives; a side absent from them counts at
-    the least likely alternative's log-probability (an upper bound)."""
-    if not top:
-        return 0.0
-    floor = min(lp for _, lp in top)
-
-    def mass(ids: set[int]) -> float:
-        ps = [math.exp(lp) for t, lp in top if t in ids]
-        return math.log(sum(ps)) if ps else floor
-
-    return mass(yes) - mass(no)
 
 
 async def rerank(
@@ -77,7 +47,7 @@ async def rerank(
         return results
     prompts = []
     for r in head:
-        ask = _ASK.format(question=question, passage=r.text[:MAX_PASSAGE_CHARS])
+        ask = question_for(question, r.text)
         chat = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": ask}], "max_tokens": 1}, strict=False
         )
@@ -91,16 +61,14 @@ async def rerank(
         ctx, http, prompts, body, max_tokens=1, logprobs=TOP_LOGPROBS, operation=CHAT,
         response_id=f"{response_id}-rerank",
     )  # fmt: skip
-    yes = _first_ids(ctx, ("Yes", " Yes", "yes", " yes", "YES"))
-    no = _first_ids(ctx, ("No", " No", "no", " no", "NO"))
+    yes, no = answer_ids(lambda w: ctx.tokenizer.encode(w, add_special_tokens=False))
     scores = [0.0] * len(head)
     try:
         async for i, out in run_merged(ctx.engine, requests):
             tracker.on_output(i, out)
             if out.logprobs:
-                scores[i] = _judgement(out.logprobs[0].top_logprobs, yes, no)
+                scores[i] = judgement(out.logprobs[0].top_logprobs, yes, no)
         await tracker.settle_whole()
     finally:
         tracker.close()
-    order = sorted(range(len(head)), key=lambda i: (-scores[i], i))
-    return [head[i] for i in order] + tail
+    return [head[i] for i in reorder(scores)] + tail

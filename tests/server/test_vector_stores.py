@@ -209,8 +209,10 @@ def test_bad_files_fail_alone_and_the_store_stays_usable(docs_server: LiveServer
             b"Content-Type: multipart/form-data; boundary=b\r\n"
             + f"Content-Length: {200 * 2**20}\r\n\r\n".encode()
         )
-        reply = sock.recv(4096).decode()
-    assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
+        reply = b""
+        while b"request_too_large" not in reply and (part := sock.recv(4096)):
+            reply += part  # the head and the body may come in separate segments
+    assert reply.startswith(b"HTTP/1.1 413") and b"request_too_large" in reply
     # A file removed while it waits or is indexed leaves the store whole.
     law = (CORPUS / LAWS[1]).read_bytes()
     gone = client.files.create(file=("gone.md", law), purpose="assistants")
@@ -487,9 +489,10 @@ def test_llm_rerank_judges_each_passage_as_the_callers_requests(
 
 
 def test_judgement_compares_yes_with_no() -> None:
-    from kvgate.server.rerank import _judgement
+    from kvgate.docs.rerank import judgement, reorder
 
     top = ((1, math.log(0.6)), (2, math.log(0.3)), (3, math.log(0.1)))
-    assert _judgement(top, {1}, {2}) == pytest.approx(math.log(2))
-    assert _judgement(top, {2}, {1}) == pytest.approx(-math.log(2))
-    assert _judgement(top, {9}, {1}) == pytest.approx(math.log(0.1 / 0.6))  # yes unseen
+    assert judgement(top, {1}, {2}) == pytest.approx(math.log(2))
+    assert judgement(top, {2}, {1}) == pytest.approx(-math.log(2))
+    assert judgement(top, {9}, {1}) == pytest.approx(math.log(0.1 / 0.6))  # yes unseen
+    assert reorder([0.5, 2.0, 0.5, -1.0]) == [1, 0, 2, 3]
