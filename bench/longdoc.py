@@ -168,10 +168,12 @@ def main() -> int:
     p.add_argument("--show-misses", action="store_true", help="print questions missed at @5")
     p.add_argument("--bm25-weight", type=float, default=retrieval.BM25_WEIGHT)
     p.add_argument("--dense-weight", type=float, default=retrieval.DENSE_WEIGHT)
+    p.add_argument("--neighbour-weight", type=float, default=retrieval.NEIGHBOUR_WEIGHT)
     p.add_argument("--rerank", default=None, help="a model to rerank auto/hybrid's top 10 with")
     a = p.parse_args()
     judge = _Judge(a.rerank) if a.rerank else None
     retrieval.BM25_WEIGHT, retrieval.DENSE_WEIGHT = a.bm25_weight, a.dense_weight
+    retrieval.NEIGHBOUR_WEIGHT = a.neighbour_weight
     corpus = Path(a.corpus)
     questions = [json.loads(line) for line in (corpus / "dev_questions.jsonl").open()]
     embedder = CachedEmbedder(E5Embedder(threads=a.threads), Path(a.cache) if a.cache else None)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kvgate.docs import retrieval
 from kvgate.docs.retrieval import HybridIndex, words
 
 DOCS = {
@@ -19,7 +21,8 @@ def _index() -> HybridIndex:
     return index
 
 
-def test_each_ranking_and_their_fusion() -> None:
+def test_each_ranking_and_their_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retrieval, "NEIGHBOUR_WEIGHT", 0.0)  # the fusion alone
     index = _index()
     q = words("社会保险关系转移要多少天")
     assert index.search(q, None, 3, mode="bm25")[0].key == "law#1"
@@ -42,3 +45,16 @@ def test_masks_removal_and_adding_twice() -> None:
     index.remove({"law#1"})
     assert "law#1" not in [h.key for h in index.search(q, np.ones(3, np.float32), 3)]
     assert HybridIndex(3).search(q, None, 3) == []
+
+
+def test_neighbours_lend_a_chunk_support() -> None:
+    """Two chunks the query matches equally: the one whose neighbour in its file matches
+    too comes first; chunks of other files, or not next to it, lend nothing."""
+    index = HybridIndex(2)
+    keys = ["b#0", "b#1", "a#0", "a#1", "a#5"]  # alone, b#1 would rank before a#1
+    vectors = np.array([[0, 1], [0.9, 0.1], [1, 0], [0.9, 0.1], [0, 1]], dtype=np.float32)
+    index.add(keys, [["x"]] * 5, vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    hits = index.search([], np.array([1, 0], dtype=np.float32), 5, mode="dense")
+    # a#1 and b#1 match equally; a#1's neighbour a#0 is the best match, b#1's nothing.
+    assert [h.key for h in hits[:3]] == ["a#0", "a#1", "b#1"]
+    assert all(0 < h.score <= 1 for h in hits)
