@@ -79,7 +79,8 @@ def test_errors_that_keep_coming_stop_the_loop_and_call_on_dead(llm: AsyncLLM) -
         result = asyncio.run(_run(llm, [500 + i]))
         assert isinstance(result, RequestFailed | EngineDead)
     deadline = time.monotonic() + 5
-    while llm.is_running and time.monotonic() < deadline:
+    # The loop marks itself dead, fails its streams, then calls on_dead: wait for both.
+    while (llm.is_running or not dead) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not llm.is_running and len(dead) == 1
     assert isinstance(asyncio.run(_run(llm, [1, 2])), EngineDead)
