@@ -185,11 +185,16 @@ class PostgresDb:
             check=ConnectionPool.check_connection,
             open=True,
             name="kvgate-docs",
+            timeout=10.0,  # seconds to wait for a connection before an error
         )
-        with self._pool.connection() as conn, conn.transaction():
-            # Replicas starting together would race on CREATE TABLE: one at a time.
-            conn.execute("SELECT pg_advisory_xact_lock(7316120)")
-            conn.execute(_POSTGRES_SCHEMA)
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                # Replicas starting together would race on CREATE TABLE: one at a time.
+                conn.execute("SELECT pg_advisory_xact_lock(7316120)")
+                conn.execute(_POSTGRES_SCHEMA)
+        except BaseException:
+            self._pool.close()  # or it keeps trying to connect in the background
+            raise
 
     def rows(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._pool.connection() as conn:

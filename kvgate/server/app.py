@@ -204,6 +204,12 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
         store = DocStore(directory, url)
     except ValueError as exc:
         raise InvalidConfig(str(exc), param="docs_url") from None
+    except Exception as exc:  # a database that cannot be reached: say which, not a traceback
+        shown = url.split("@")[-1] if url else directory
+        raise InvalidConfig(
+            f"cannot open the documents database at {shown}: {type(exc).__name__}: {exc}",
+            param="docs_url",
+        ) from None
     log.info("files and vector stores: %s (uploads spooled in %s)", store.where, store.directory)
 
     def limits(tenant: str) -> StorageLimits:

@@ -243,3 +243,8 @@ def test_a_replica_takes_over_jobs_whose_lease_ran_out(tmp_path: Path, postgres_
     assert taken is not None and taken.status == "completed" and taken.job != orphan.job
     assert left is not None and left.status == "in_progress" and left.job == held.job
     docs.close()
+
+
+def test_a_docs_url_of_another_kind_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="postgresql://"):
+        DocStore(tmp_path, "mysql://user@host/db")
