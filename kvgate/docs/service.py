@@ -315,16 +315,24 @@ class DocsService:
             for hit in index.search(terms, vector, max_num_results, allowed, mode):
                 found.append((hit.score, store.id, hit.key))
         found.sort(key=lambda x: -x[0])
+        top = found[:max_num_results]
+        chunks: dict[str, dict[str, StoredChunk]] = {}
+        for store_id in {s for _, s, _ in top}:  # one query a store, not one a result
+            keys = [k for _, s, k in top if s == store_id]
+            chunks[store_id] = self.store.chunks_at(store_id, keys)
+        records: dict[tuple[str, str], StoreFileRecord | None] = {}
         results = []
-        for score, store_id, key in found[:max_num_results]:
-            stored = self.store.chunk(store_id, key)
+        for score, store_id, key in top:
+            stored = chunks[store_id].get(key)
             if stored is None:  # removed since the search
                 continue
-            file = files.get(stored.file_id) or self.store.file(stored.file_id, None)
+            file = files.get(stored.file_id) or self.store.file(stored.file_id, None, False)
             if file is None:
                 continue
             files[stored.file_id] = file
-            attrs = attributes.get(f"{store_id}/{key}") or self._attributes(store_id, stored, file)
+            attrs = attributes.get(f"{store_id}/{key}") or self._attributes(
+                store_id, stored, file, records
+            )
             results.append(
                 SearchResult(file.id, file.filename, score, stored.chunk.text, attrs, store_id, key)
             )
@@ -358,8 +366,19 @@ class DocsService:
             result.store_id, result.key,
         )  # fmt: skip
 
-    def _attributes(self, store_id: str, stored: StoredChunk, file: FileRecord) -> dict[str, Any]:
-        record = self.store.store_file(store_id, stored.file_id)
+    def _attributes(
+        self,
+        store_id: str,
+        stored: StoredChunk,
+        file: FileRecord,
+        records: dict[tuple[str, str], StoreFileRecord | None] | None = None,
+    ) -> dict[str, Any]:
+        """A chunk's attributes: its store file's, and where it lies. ``records``: the
+        store files already read in this search."""
+        records = {} if records is None else records
+        if (store_id, stored.file_id) not in records:
+            records[store_id, stored.file_id] = self.store.store_file(store_id, stored.file_id)
+        record = records[store_id, stored.file_id]
         base = {k: v for k, v in (record.attributes if record else {}).items() if k != "_batch"}
         return {
             **base,
@@ -376,13 +395,14 @@ class DocsService:
         attributes: dict[str, dict[str, Any]],
     ) -> set[str]:
         allowed = set()
+        records: dict[tuple[str, str], StoreFileRecord | None] = {}
         for stored in self.store.chunk_places(store_id):
             file = files.get(stored.file_id)
             if file is None:
-                file = files[stored.file_id] = self.store.file(stored.file_id, None)
+                file = files[stored.file_id] = self.store.file(stored.file_id, None, False)
             if file is None:
                 continue
-            attrs = self._attributes(store_id, stored, file)
+            attrs = self._attributes(store_id, stored, file, records)
             attributes[f"{store_id}/{stored.key}"] = attrs
             if matches(filters, {"filename": file.filename, **attrs}):
                 allowed.add(stored.key)

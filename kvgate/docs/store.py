@@ -195,10 +195,13 @@ class DocStore:
     def set_text(self, file_id: str, text: str | None, error: str | None) -> None:
         self._write("UPDATE files SET text = ?, error = ? WHERE id = ?", (text, error, file_id))
 
-    def file(self, file_id: str, tenant: str | None) -> FileRecord | None:
+    def file(self, file_id: str, tenant: str | None, with_text: bool = True) -> FileRecord | None:
+        """The file (its extracted text too unless ``with_text`` is False: a long law's is
+        100k characters)."""
         where, args = self._owned(tenant)
+        text = "text" if with_text else "NULL"
         rows = self._rows(
-            "SELECT id, tenant, filename, purpose, bytes, created_at, text, error FROM files "
+            f"SELECT id, tenant, filename, purpose, bytes, created_at, {text}, error FROM files "
             f"WHERE id = ?{where}",
             (file_id, *args),
         )
@@ -480,6 +483,20 @@ class DocStore:
             (store_id,),
         )
         return [self._chunk(r, vector=False) for r in rows]
+
+    def chunks_at(self, store_id: str, keys: Sequence[str]) -> dict[str, StoredChunk]:
+        """The chunks of these keys (``file#seq``) that still exist, in one query."""
+        if not keys:
+            return {}
+        pairs = [k.rpartition("#") for k in keys]
+        where = " OR ".join(["(c.file_id = ? AND c.seq = ?)"] * len(pairs))
+        args = [x for f, _, seq in pairs for x in (f, int(seq))]
+        rows = self._rows(
+            f"{self._CHUNK}, c.vector FROM chunks c WHERE c.store_id = ? AND ({where})",
+            (store_id, *args),
+        )
+        found = (self._chunk(r) for r in rows)
+        return {c.key: c for c in found}
 
     def chunk(self, store_id: str, key: str) -> StoredChunk | None:
         file_id, _, seq = key.rpartition("#")
