@@ -499,10 +499,4 @@ class DocStore:
         return {c.key: c for c in found}
 
     def chunk(self, store_id: str, key: str) -> StoredChunk | None:
-        file_id, _, seq = key.rpartition("#")
-        rows = self._rows(
-            f"{self._CHUNK}, c.vector FROM chunks c "
-            "WHERE c.store_id = ? AND c.file_id = ? AND c.seq = ?",
-            (store_id, file_id, int(seq)),
-        )
-        return self._chunk(rows[0]) if rows else None
+        return self.chunks_at(store_id, [key]).get(key)
