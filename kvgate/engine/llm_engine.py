@@ -98,6 +98,8 @@ class LLMEngine:
             checkpoint.config.num_layers,
         )
         self.model_config = checkpoint.config
+        #: Where the weights were read from (a file or directory), for lineage.
+        self.source = checkpoint.path
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.max_model_len = self._resolve_max_model_len()
         self.model = model_class(checkpoint.config)(

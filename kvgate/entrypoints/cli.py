@@ -11,11 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig
-from kvgate.entrypoints.serve import add_server_args
+from kvgate.entrypoints.serve import ModelToServe, add_server_args
 from kvgate.errors import KVGateError
 from kvgate.model import cpu_isa
 from kvgate.sampling_params import SamplingParams
-from kvgate.server.config import config_file_argv, config_file_models
+from kvgate.server.config import ServerConfig, config_file_argv, config_file_models
 
 
 def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
@@ -199,7 +199,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvgate.entrypoints.serve import models_to_serve, run_server, server_config
 
     models = models_to_serve(a, _config(a), getattr(a, "file_models", ()))
-    return run_server(models, server_config(a, models))
+    config = server_config(a, models)
+    if a.replicas is not None:
+        from kvgate.cluster.app import run_cluster
+
+        return run_cluster(a.argv, a.replicas, config)
+    return run_server(models, config)
+
+
+def serve_settings(argv: Sequence[str]) -> tuple[list[ModelToServe], ServerConfig]:
+    """What ``kvgate serve ARGV`` would serve, and its server settings (a cluster replica
+    builds its server from these)."""
+    from kvgate.entrypoints.serve import models_to_serve, server_config
+
+    a = _parse(["serve", *argv])
+    models = models_to_serve(a, _config(a), getattr(a, "file_models", ()))
+    return models, server_config(a, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +257,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             if getattr(flags, name) is not None:
                 setattr(args, name, getattr(flags, name))
         args.file_models = config_file_models(args.config)
+    if args.command == "serve":
+        given = list(sys.argv[1:] if argv is None else argv)
+        args.argv = given[1:]  # for the replicas of ``--replicas``
     return args
 
 

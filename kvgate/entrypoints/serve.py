@@ -106,6 +106,27 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="the priority class of document ingestion (its thread's OS priority)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    c = p.add_argument_group("replicas (Ray Serve: kvgate.cluster)")
+    c.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas behind one ingress on a local Ray (prefix-cache "
+        "affinity routing, the tenants' rates shared by all)",
+    )
+    c.add_argument(
+        "--rates-unreachable",
+        default="open",
+        choices=["open", "closed"],
+        help="with --replicas, when the shared rate state cannot be reached: open (each "
+        "replica limits alone) or closed (rate-limited tenants get 503)",
+    )
+    c.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stopping server (SIGTERM) or replica gives its requests in flight",
+    )
     lim = p.add_argument_group("limits (refused before any work is done on the request)")
     d = RequestLimits()
     lim.add_argument(
@@ -286,6 +307,8 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         docs_url=a.docs_url,
         ingest_priority=a.ingest_priority,
         log_level=a.log_level,
+        shutdown_timeout=a.shutdown_timeout,
+        rates_unreachable=a.rates_unreachable,
         limits=RequestLimits(
             max_body_bytes=a.max_body_bytes,
             max_upload_bytes=a.max_upload_bytes,

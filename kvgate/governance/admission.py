@@ -56,30 +56,119 @@ class _Bucket:
 
 
 @dataclass
-class _TenantState:
-    in_flight: int = 0  # every model's
+class _Buckets:
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Why ``RateBuckets.take`` took nothing: the limit that is short, its value, and the
+    seconds until it holds enough."""
+
+    limit: str
+    value: int
+    wait: float
+
+
+class RateBuckets:
+    """Every tenant's requests- and tokens-per-minute buckets: plain data, no clock of its
+    own (``now`` is given), so the same object serves one process (``TenantRates``) or a
+    whole deployment of replicas behind one shared state (``kvgate.cluster.state``)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, _Buckets] = {}
+
+    def take(
+        self,
+        tenant: str,
+        limits: tuple[int | None, int | None],
+        amounts: tuple[int, int],
+        now: float,
+    ) -> tuple[Shortfall | None, dict[str, str]]:
+        """Take ``amounts`` = (requests, tokens) from the tenant's buckets of ``limits`` =
+        (requests_per_minute, tokens_per_minute) (None: no such limit), both or neither.
+        Returns what was short (None: taken) and the ``x-ratelimit-*`` headers after."""
+        state = self._buckets.setdefault(tenant, _Buckets())
+        rpm, tpm = limits
+        requests, tokens = amounts
+        if requests or rpm is None:
+            state.requests = _sync(state.requests, rpm, now)
+        state.tokens = _sync(state.tokens, tpm, now)
+        short = []
+        if requests and state.requests is not None and state.requests.level < requests:
+            assert rpm is not None
+            short.append(Shortfall("requests_per_minute", rpm, state.requests.wait_for(requests)))
+        if tokens and state.tokens is not None and state.tokens.level < tokens:
+            assert tpm is not None
+            short.append(Shortfall("tokens_per_minute", tpm, state.tokens.wait_for(tokens)))
+        if short:
+            return max(short, key=lambda s: s.wait), _headers(state)
+        if requests and state.requests is not None:
+            state.requests.level -= requests
+        if tokens and state.tokens is not None:
+            state.tokens.level -= tokens
+        return None, _headers(state)
+
+    def give(self, tenant: str, amounts: tuple[int, int], now: float) -> None:
+        """Give back (requests, tokens) taken and not used, up to each bucket's capacity."""
+        state = self._buckets.get(tenant)
+        if state is None:
+            return
+        for bucket, amount in ((state.requests, amounts[0]), (state.tokens, amounts[1])):
+            if bucket is not None and amount:
+                bucket.refill(now)
+                bucket.level = min(bucket.limit, bucket.level + amount)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        state = self._buckets.get(tenant)
+        return _headers(state) if state is not None else {}
+
+
 class TenantRates:
-    """Per-tenant rate buckets and requests in flight, for the whole server."""
+    """Per-tenant rate buckets and requests in flight, for the whole server.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    ``buckets``: where the rates are kept; by default in this process (``RateBuckets``),
+    or an object with the same ``take``/``give``/``headers`` that keeps them for several
+    replicas at once (``kvgate.cluster.state.SharedBuckets``). Requests in flight (for
+    ``max_concurrent``) are always this process's."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, buckets: RateBuckets | None = None
+    ) -> None:
         self.clock = clock
-        self._state: dict[str, _TenantState] = {}
-
-    def state(self, tenant: str) -> _TenantState:
-        return self._state.setdefault(tenant, _TenantState())
+        self.buckets = buckets if buckets is not None else RateBuckets()
+        self._in_flight: dict[str, int] = {}
 
     def in_flight(self, tenant: str) -> int:
-        state = self._state.get(tenant)
-        return state.in_flight if state is not None else 0
+        return self._in_flight.get(tenant, 0)
 
     def headers(self, tenant: str) -> dict[str, str]:
         """``x-ratelimit-*`` headers for a response to ``tenant``."""
-        state = self._state.get(tenant)
-        return _headers(state) if state is not None else {}
+        return self.buckets.headers(tenant)
+
+    def take(self, spec: TenantSpec, requests: int, tokens: int) -> None:
+        """Take from the tenant's buckets, both or neither; raise ``RateLimited`` when
+        either is short."""
+        if spec.requests_per_minute is None and spec.tokens_per_minute is None:
+            return
+        short, headers = self.buckets.take(
+            spec.name,
+            (spec.requests_per_minute, spec.tokens_per_minute),
+            (requests, tokens),
+            self.clock(),
+        )
+        if short is not None:
+            raise RateLimited(
+                f"tenant {spec.name!r} is over {short.limit}={short.value}; "
+                f"retry in {math.ceil(short.wait)} s",
+                retry_after=short.wait,
+                headers=headers,
+            )
+
+    def give(self, tenant: str, requests: int, tokens: int) -> None:
+        if requests or tokens:
+            self.buckets.give(tenant, (requests, tokens), self.clock())
 
     def charge_requests(self, spec: TenantSpec, n: int) -> None:
         """Take ``n`` requests from the tenant's requests-per-minute bucket, at the door,
@@ -95,19 +184,7 @@ class TenantRates:
                 limit="requests_per_minute",
                 value=spec.requests_per_minute,
             )
-        now = self.clock()
-        state = self.state(spec.name)
-        state.requests = _sync(state.requests, spec.requests_per_minute, now)
-        assert state.requests is not None
-        if state.requests.level < n:
-            wait = state.requests.wait_for(n)
-            raise RateLimited(
-                f"tenant {spec.name!r} is over requests_per_minute={spec.requests_per_minute}; "
-                f"retry in {math.ceil(wait)} s",
-                retry_after=wait,
-                headers=_headers(state),
-            )
-        state.requests.level -= n
+        self.take(spec, n, 0)
 
 
 @dataclass
@@ -275,40 +352,16 @@ class TenantGate:
                 limit="tokens_per_minute",
                 value=spec.tokens_per_minute,
             )
-        now = self.clock()
-        state = self.rates.state(spec.name)
-        if not paid:
-            state.requests = _sync(state.requests, spec.requests_per_minute, now)
-        state.tokens = _sync(state.tokens, spec.tokens_per_minute, now)
-        headers = _headers(state)
-        if spec.max_concurrent is not None and state.in_flight >= spec.max_concurrent:
+        rates = self.rates
+        if spec.max_concurrent is not None and rates.in_flight(spec.name) >= spec.max_concurrent:
             raise RateLimited(
                 f"tenant {spec.name!r} has max_concurrent={spec.max_concurrent} requests in "
                 "flight; retry when one finishes",
                 retry_after=1,
-                headers=headers,
+                headers=rates.headers(spec.name),
             )
-        waits = []
-        if not paid and state.requests is not None and state.requests.level < 1:
-            waits.append(
-                ("requests_per_minute", spec.requests_per_minute, state.requests.wait_for(1))
-            )
-        if state.tokens is not None and state.tokens.level < total:
-            waits.append(
-                ("tokens_per_minute", spec.tokens_per_minute, state.tokens.wait_for(total))
-            )
-        if waits:
-            limit, value, wait = max(waits, key=lambda w: w[2])
-            raise RateLimited(
-                f"tenant {spec.name!r} is over {limit}={value}; retry in {math.ceil(wait)} s",
-                retry_after=wait,
-                headers=headers,
-            )
-        if not paid and state.requests is not None:
-            state.requests.level -= 1
-        if state.tokens is not None:
-            state.tokens.level -= total
-        state.in_flight += 1
+        rates.take(spec, 0 if paid else 1, total)
+        rates._in_flight[spec.name] = rates.in_flight(spec.name) + 1
         self._in_flight[spec.name] = self.in_flight(spec.name) + 1
         return Ticket(self, spec.name, total, refund_request=not paid)
 
@@ -320,16 +373,9 @@ class TenantGate:
         self, ticket: Ticket, used_tokens: int | None, refund_request: bool = False
     ) -> None:
         self._in_flight[ticket.tenant] -= 1
-        state = self.rates.state(ticket.tenant)
-        state.in_flight -= 1
-        now = self.clock()
-        if state.tokens is not None and used_tokens is not None:
-            unused = max(ticket.charged_tokens - used_tokens, 0)
-            state.tokens.refill(now)
-            state.tokens.level = min(state.tokens.limit, state.tokens.level + unused)
-        if state.requests is not None and refund_request:
-            state.requests.refill(now)
-            state.requests.level = min(state.requests.limit, state.requests.level + 1)
+        self.rates._in_flight[ticket.tenant] -= 1
+        unused = 0 if used_tokens is None else max(ticket.charged_tokens - used_tokens, 0)
+        self.rates.give(ticket.tenant, 1 if refund_request else 0, unused)
 
 
 def _sync(bucket: _Bucket | None, limit: int | None, now: float) -> _Bucket | None:
@@ -345,7 +391,7 @@ def _sync(bucket: _Bucket | None, limit: int | None, now: float) -> _Bucket | No
     return bucket
 
 
-def _headers(state: _TenantState) -> dict[str, str]:
+def _headers(state: _Buckets) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
         if bucket is None:

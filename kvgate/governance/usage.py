@@ -14,12 +14,18 @@ At start, ``reconcile`` settles what a crash left open: rows delivered but unset
 ``reconciled`` with their last counts (finish reason ``interrupted``); rows never delivered
 are deleted (the client got nothing: nothing to bill). So after ``kill -9`` and a restart
 there is exactly one record per request whose client received tokens, none for the others.
+Several processes may share one ledger (the replicas of ``kvgate.cluster``): each row names
+the ledger that wrote it (``owner``), and each ledger holds an OS lock on a file of its own
+name for as long as it lives; a ledger starting reconciles only the rows of owners whose
+lock is free (they are gone), never those of a process still serving them.
 
 ``GET /admin/usage?tenant=&since=&until=`` reads it (``query``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -50,7 +56,8 @@ CREATE TABLE IF NOT EXISTS usage (
     kv_block_seconds REAL NOT NULL DEFAULT 0,
     finish_reason TEXT,
     delivered INTEGER NOT NULL DEFAULT 0,
-    status TEXT NOT NULL
+    status TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage (tenant, admitted_at);
 CREATE INDEX IF NOT EXISTS usage_status ON usage (status);
@@ -87,7 +94,15 @@ class UsageLedger:
         self._lock = threading.Lock()
         con = self._connect()
         con.executescript(_SCHEMA)
+        columns = {row[1] for row in con.execute("PRAGMA table_info(usage)")}
+        if "owner" not in columns:  # a ledger from before owners
+            con.execute("ALTER TABLE usage ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
         con.close()
+        self.owner = uuid.uuid4().hex
+        self._owners = Path(f"{self.path}.owners")
+        self._owners.mkdir(exist_ok=True)
+        self._owner_lock = open(self._owners / self.owner, "w")  # noqa: SIM115 (held for life)
+        fcntl.flock(self._owner_lock, fcntl.LOCK_EX)
         self.last_reconcile = self._reconcile()
         self._thread = threading.Thread(target=self._run, name="kvgate-usage", daemon=True)
         self._thread.start()
@@ -99,18 +114,41 @@ class UsageLedger:
         con.execute("PRAGMA busy_timeout=5000")
         return con
 
+    def _gone(self, owner: str) -> bool:
+        """Whether the ledger ``owner`` is no longer alive (its lock file is free)."""
+        if not owner:
+            return True  # a row from before owners: its process is the one restarting
+        path = self._owners / owner
+        try:
+            with open(path, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return True
+
     def _reconcile(self) -> Reconciled:
         con = self._connect()
+        reconciled = dropped = 0
         with con:
             con.execute("BEGIN IMMEDIATE")
-            reconciled = con.execute(
-                "UPDATE usage SET status = 'reconciled', finish_reason = 'interrupted', "
-                "settled_at = ? WHERE status = 'admitted' AND delivered = 1",
-                (time.time(),),
-            ).rowcount
-            dropped = con.execute(
-                "DELETE FROM usage WHERE status = 'admitted' AND delivered = 0"
-            ).rowcount
+            owners = [r[0] for r in con.execute(
+                "SELECT DISTINCT owner FROM usage WHERE status = 'admitted' AND owner != ?",
+                (self.owner,),
+            )]  # fmt: skip
+            for owner in filter(self._gone, owners):
+                reconciled += con.execute(
+                    "UPDATE usage SET status = 'reconciled', finish_reason = 'interrupted', "
+                    "settled_at = ? WHERE status = 'admitted' AND delivered = 1 AND owner = ?",
+                    (time.time(), owner),
+                ).rowcount
+                dropped += con.execute(
+                    "DELETE FROM usage WHERE status = 'admitted' AND delivered = 0 AND owner = ?",
+                    (owner,),
+                ).rowcount
         con.close()
         if reconciled or dropped:
             log.warning(
@@ -132,8 +170,8 @@ class UsageLedger:
         def write(con: sqlite3.Connection) -> None:
             con.execute(
                 "INSERT INTO usage (id, request_id, tenant, model, model_version, admitted_at, "
-                "prompt_tokens, status) VALUES (?, ?, ?, ?, ?, ?, ?, 'admitted')",
-                (row, request_id, tenant, model, model_version, now, prompt_tokens),
+                "prompt_tokens, status, owner) VALUES (?, ?, ?, ?, ?, ?, ?, 'admitted', ?)",
+                (row, request_id, tenant, model, model_version, now, prompt_tokens, self.owner),
             )
 
         self._submit(write)
@@ -191,6 +229,9 @@ class UsageLedger:
     def close(self) -> None:
         self._ops.put(None)
         self._thread.join(10)
+        # Settled rows need no owner; unsettled ones (none after a clean stop) keep the
+        # file so the next ledger reconciles them.
+        self._owner_lock.close()
 
     # ------------------------------------------------------------------ the writer
     def _run(self) -> None:

@@ -1,6 +1,7 @@
 """Request ids and the JSON-lines access log, as one pure ASGI middleware.
 
-Every response carries ``x-request-id`` (the client's, when it sent one). Handlers fill in the
+Every response carries ``x-request-id`` (the client's, when it sent one) and, once a model
+was chosen for it, ``x-kvgate-model-version`` (its lineage id). Handlers fill in the
 request's ``AccessRecord`` (tenant, token counts, time to first token, finish reason); the
 middleware writes one JSON line when the response is over: after the last byte of a stream,
 or when the client went away mid-stream (``"disconnected": true``).
@@ -30,6 +31,8 @@ class AccessRecord:
     request_id: str
     tenant: str | None = None
     model: str | None = None
+    #: The served model's lineage id; also sent as the ``x-kvgate-model-version`` header.
+    model_version: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -74,6 +77,8 @@ class AccessLogMiddleware:
                 status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode()))
+                if record.model_version is not None:
+                    headers.append((b"x-kvgate-model-version", record.model_version.encode()))
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 done = True

@@ -31,11 +31,13 @@ from kvgate.docs.retrieval import E5Embedder
 from kvgate.docs.service import DocsService, StorageLimits
 from kvgate.docs.store import DocStore
 from kvgate.docs.store import default_dir as docs_default_dir
+from kvgate.engine.lineage import model_version
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import InvalidConfig, InvalidRequest, KVGateError
+from kvgate.governance.admission import RateBuckets
 from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
@@ -121,9 +123,15 @@ def _load(
     door = Door(
         state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
     )
+    inner = engine.engine
+    version = model_version(slot.name, inner.source, inner.model_config, inner.config)
     slot.serving = ServingContext(
-        engine, slot.name, state.governance, door, state.usage, state.tracing
+        engine, slot.name, state.governance, door, state.usage, state.tracing, version
     )
+    log.info(
+        "model %r is version %s (weights sha256 %s, from %s)",
+        slot.name, version.id, version.weights_sha256[:16], version.source,
+    )  # fmt: skip
     log.info(
         "ready: model %r loaded in %.1f s; KV pool %d blocks x %d tokens = %d tokens (%.2f GiB)",
         slot.name,
@@ -187,14 +195,15 @@ def _warn_unknown_models(tenants: TenantsConfig, served: Sequence[str]) -> None:
             )  # fmt: skip
 
 
-def _governance(config: ServerConfig) -> Governance:
+def _governance(config: ServerConfig, buckets: RateBuckets | None) -> Governance:
     metrics = frozenset(parse_key(k, "--metrics-key") for k in config.metrics_keys)
     if config.tenants_file is not None:
-        return Governance(TenantsConfig.load(config.tenants_file), config.tenants_file, metrics)
+        tenants = TenantsConfig.load(config.tenants_file)
+        return Governance(tenants, config.tenants_file, metrics, buckets)
     if config.api_keys_file is not None:
         table = load_api_keys_file(config.api_keys_file)
-        return Governance(TenantsConfig.from_key_table(table), metrics_keys=metrics)
-    return Governance(TenantsConfig.open_config(), metrics_keys=metrics)
+        return Governance(TenantsConfig.from_key_table(table), None, metrics, buckets)
+    return Governance(TenantsConfig.open_config(), None, metrics, buckets)
 
 
 def _docs(config: ServerConfig, governance: Governance) -> DocsService:
@@ -253,15 +262,17 @@ def build_app(
     on_load_error: Callable[[BaseException], None] | None = None,
     on_engine_dead: Callable[[BaseException], None] | None = None,
     tracer_provider: TracerProvider | None = None,
+    rate_buckets: RateBuckets | None = None,
 ) -> FastAPI:
     """The app; ``loader`` builds the one model (served as ``config.served_model_name``),
     or a mapping of served names to loaders builds several, the first being the default
     for requests that name no model. ``tracer_provider`` turns on request traces (see
-    ``server/tracing.py``)."""
+    ``server/tracing.py``); ``rate_buckets`` keeps the tenants' rates elsewhere than in this
+    process (the replicas of ``kvgate.cluster`` share theirs)."""
     loaders = loader if isinstance(loader, Mapping) else {config.served_model_name: loader}
     models = ServedModels([ModelSlot(name, load) for name, load in loaders.items()])
     tracing = Tracing(tracer_provider) if tracer_provider is not None else NoTracing()
-    governance = _governance(config)
+    governance = _governance(config, rate_buckets)
     docs = _docs(config, governance)
     state = ServerState(config, governance, _usage_ledger(config), models, docs, tracing)
     _warn_unknown_models(state.governance.tenants, models.names)
@@ -353,9 +364,14 @@ def build_app(
                 {
                     "id": ctx.served_model_name,
                     "object": "model",
-                    "created": 0,
+                    "created": ctx.version.created if ctx.version is not None else 0,
                     "owned_by": "kvgate",
                     "max_model_len": ctx.max_model_len,
+                    "version": ctx.model_version,
+                    "source": ctx.version.source if ctx.version is not None else None,
+                    "weights_sha256": (
+                        ctx.version.weights_sha256 if ctx.version is not None else None
+                    ),
                 }
                 for ctx in ready
                 if ctx is not None

@@ -163,6 +163,7 @@ def admit_choices(
             tenant=tenant,
             request_id=record.request_id,
             requests=requests,
+            model_version=ctx.model_version,
         )
     except BaseException:
         admission.release()

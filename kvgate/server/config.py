@@ -62,6 +62,10 @@ class ServerConfig:
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: Seconds a stopping server gives its requests in flight (SIGTERM: see ``run_server``).
+    shutdown_timeout: float = 30.0
+    #: With replicas: ``open`` or ``closed`` when the shared rate state is unreachable.
+    rates_unreachable: str = "open"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

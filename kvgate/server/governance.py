@@ -26,7 +26,7 @@ from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvgate.errors import InvalidConfig, KVGateError
-from kvgate.governance.admission import TenantGate, TenantRates, Ticket
+from kvgate.governance.admission import RateBuckets, TenantGate, TenantRates, Ticket
 from kvgate.governance.tenants import TenantsConfig, TenantSpec
 
 log = logging.getLogger("kvgate.server")
@@ -74,14 +74,16 @@ class Governance:
         tenants: TenantsConfig,
         tenants_file: str | None = None,
         metrics_keys: frozenset[bytes] = frozenset(),
+        buckets: RateBuckets | None = None,
     ) -> None:
         """``metrics_keys``: digests of keys given on the command line that may read
-        per-tenant figures; they survive reloads of the tenants file."""
+        per-tenant figures; they survive reloads of the tenants file. ``buckets``: where the
+        tenants' rates are kept (default: in this process; see ``TenantRates``)."""
         self.extra_metrics_keys = metrics_keys
         self.tenants = self._with_metrics_keys(tenants)
         self.tenants_file = tenants_file
         #: Rate buckets and requests in flight per tenant, across every model.
-        self.rates = TenantRates()
+        self.rates = TenantRates(buckets=buckets)
         self._pools: dict[str, _Pool] = {}  # by served model name, as attached
         self.refusals: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()  # reload may come from a signal handler's thread

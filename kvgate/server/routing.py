@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from kvgate.errors import KVGateError
-from kvgate.server.access_log import access_record
+from kvgate.server.access_log import AccessRecord, access_record
 from kvgate.server.errors import AuthenticationFailed
 from kvgate.server.serving import ServingContext
 
@@ -37,23 +37,27 @@ def authenticate(request: Request) -> str:
 class Router:
     """Routes one authenticated caller's request to the model its body names."""
 
-    def __init__(self, state: ServerState, tenant: str) -> None:
+    def __init__(self, state: ServerState, tenant: str, record: AccessRecord | None = None) -> None:
         self.state = state
         self.tenant = tenant
+        self.record = record
 
     def __call__(self, model: str | None) -> ServingContext:
         """The model's serving context (see ``ServedModels.route``); a 403, 404 or 503
         counts as the tenant's refusal."""
         governance = self.state.governance
         try:
-            return self.state.models.route(model, governance.spec(self.tenant))
+            ctx = self.state.models.route(model, governance.spec(self.tenant))
         except KVGateError as exc:
             governance.count_refusal(self.tenant, exc.code)
             raise
+        if self.record is not None:
+            self.record.model_version = ctx.model_version
+        return ctx
 
 
 def router(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Router:
-    return Router(_state(request), tenant)
+    return Router(_state(request), tenant, access_record(request))
 
 
 Route = Annotated[Router, Depends(router)]

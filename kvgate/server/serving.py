@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import kvgate
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.lineage import ModelVersion
 from kvgate.governance.usage import UsageLedger
 from kvgate.server.door import Door
 from kvgate.server.governance import Governance
@@ -25,6 +26,8 @@ class ServingContext:
     door: Door
     usage: UsageLedger
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
+    #: What the model is (``engine/lineage.py``); None: not computed (tests' fakes).
+    version: ModelVersion | None = None
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -38,5 +41,8 @@ class ServingContext:
 
     @property
     def model_version(self) -> str:
-        """What served the request, for usage records."""
+        """What served the request: the lineage id (for usage records, the access log,
+        traces and the ``x-kvgate-model-version`` header)."""
+        if self.version is not None:
+            return self.version.id
         return f"{self.served_model_name}@kvgate-{kvgate.__version__}"

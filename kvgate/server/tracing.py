@@ -84,6 +84,7 @@ class Tracing:
         tenant: str,
         request_id: str,
         requests: Sequence[Request],
+        model_version: str | None = None,
     ) -> RequestSpan:
         parent = propagate.extract(dict(headers))
         p = requests[0].params
@@ -100,6 +101,8 @@ class Tracing:
             "kvgate.tenant": tenant,
             "kvgate.request_id": request_id,
         }
+        if model_version is not None:
+            attributes["kvgate.model_version"] = model_version
         if p.top_k > 0:
             attributes["gen_ai.request.top_k"] = p.top_k
         if p.seed is not None:

@@ -53,7 +53,9 @@ def test_reconcile_keeps_what_was_delivered_and_drops_the_rest(tmp_path: Path) -
     done = ledger.admit("done", "b", "m", "m@1", prompt_tokens=2)
     ledger.settle(done, Counts(2, 3), "stop", delivered=True).result(5)
     ledger.delivered(ledger.admit("flush", "a", "m", "m@1", 1), Counts(1, 1)).result(5)
-    # A crash: the process is gone without settling (the writer is left as it is).
+    # A crash: the process is gone without settling (the writer is left as it is), and
+    # the OS has let go of its lock.
+    ledger._owner_lock.close()
     again = UsageLedger(path)
     assert (again.last_reconcile.reconciled, again.last_reconcile.dropped) == (2, 1)
     assert _rows(path) == [
@@ -63,6 +65,26 @@ def test_reconcile_keeps_what_was_delivered_and_drops_the_rest(tmp_path: Path) -
     ]
     assert UsageLedger(path).last_reconcile.reconciled == 0  # once only
     again.close()
+
+
+def test_a_ledger_starting_leaves_a_live_ledgers_rows_alone(tmp_path: Path) -> None:
+    """Replicas share one ledger file: one restarting must not settle (or drop) the
+    requests another is still serving; a ledger that died has its rows reconciled."""
+    path = tmp_path / "u.db"
+    live = UsageLedger(path, flush_s=0.05)
+    serving = live.admit("serving", "a", "m", "m@1", prompt_tokens=5)
+    live.delivered(serving, Counts(5, 1)).result(5)
+    live.delivered(live.admit("queued", "a", "m", "m@1", 5), Counts(0, 0)).result(5)
+    dead = UsageLedger(path, flush_s=0.05)
+    dead.delivered(dead.admit("orphan", "b", "m", "m@1", 5), Counts(5, 2)).result(5)
+    dead._owner_lock.close()  # its process died
+    restarted = UsageLedger(path)
+    assert (restarted.last_reconcile.reconciled, restarted.last_reconcile.dropped) == (1, 0)
+    live.settle(serving, Counts(5, 7), "stop", delivered=True).result(5)
+    assert ("serving", "settled", 7, "stop") in _rows(path)
+    assert ("orphan", "reconciled", 2, "interrupted") in _rows(path)
+    for ledger in (live, restarted):
+        ledger.close()
 
 
 def test_query_filters_by_tenant_and_time(tmp_path: Path) -> None:

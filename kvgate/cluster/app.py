@@ -1,0 +1,188 @@
+"""The Ray Serve application: N engine replicas (``replica.py``) behind one ingress
+(``ingress.py``), the engine deployment routed by ``router.PrefixAffinityRouter``.
+
+Two ways to run it:
+
+- ``kvgate serve --replicas N [serve options]``: starts a local Ray, deploys, serves on
+  ``--host``/``--port`` until interrupted;
+- ``serve run kvgate.cluster:app replicas=2 args="--model smollm2 --tenants t.toml"`` (or
+  a Serve config file with the same ``args``), on a Ray cluster of your own.
+
+Every replica runs ``kvgate serve``'s server with the same arguments; ``--shutdown-timeout``
+is each replica's graceful shutdown (Serve stops routing to a stopping replica at once, and
+gives its requests in flight that long).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.errors import InvalidConfig
+from kvgate.server.config import ServerConfig
+
+log = logging.getLogger("kvgate.cluster")
+
+ENGINE = "kvgate-engine"
+INGRESS = "kvgate-ingress"
+APP = "kvgate"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``argv``: the replicas' ``kvgate serve`` arguments; ``routing``: ``affinity`` or
+    ``least_loaded``; ``max_replicas`` above ``replicas`` turns on Serve's autoscaling on
+    requests in flight per replica (``target_requests``)."""
+
+    argv: tuple[str, ...]
+    replicas: int = 2
+    routing: str = "affinity"
+    rates_unreachable: str = "open"
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 4 * 2**20
+    max_replicas: int | None = None
+    target_requests: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise InvalidConfig(
+                f"replicas must be at least 1, got {self.replicas}", param="replicas"
+            )
+        if self.routing not in ("affinity", "least_loaded"):
+            raise InvalidConfig(
+                f"routing must be 'affinity' or 'least_loaded', got {self.routing!r}",
+                param="routing",
+            )
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise InvalidConfig(
+                f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})",
+                param="max_replicas",
+            )
+
+
+def application(spec: ClusterSpec) -> Any:
+    """The bound Serve application of ``spec``."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvgate.cluster.ingress import Ingress
+    from kvgate.cluster.replica import EngineReplica
+    from kvgate.cluster.router import PrefixAffinityRouter
+
+    scaling: dict[str, Any] = {"num_replicas": spec.replicas}
+    if spec.max_replicas is not None and spec.max_replicas > spec.replicas:
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": spec.replicas,
+                "max_replicas": spec.max_replicas,
+                "target_ongoing_requests": spec.target_requests,
+            }
+        }
+    deployment: Any = serve.deployment  # its overloads do not type a class with options
+    router: dict[str, Any] = {
+        # By import path: a class object would be pickled by value, with copies of
+        # ``RouteHint`` that the requests' own hints are not instances of.
+        "request_router_class": f"{PrefixAffinityRouter.__module__}.PrefixAffinityRouter",
+        "request_router_kwargs": {"policy": spec.routing},
+        "request_routing_stats_period_s": 2.0,
+    }
+    engine = deployment(
+        EngineReplica,
+        name=ENGINE,
+        # kvgate's own door (queue limits, fair shares, 503 with Retry-After) decides what
+        # waits, so Serve does not queue in front of it.
+        max_ongoing_requests=1024,
+        graceful_shutdown_timeout_s=spec.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.5,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        ray_actor_options={"num_cpus": 0},  # the engine's threads are its own setting
+        request_router_config=RequestRouterConfig(**router),
+        **scaling,
+    ).bind(list(spec.argv), spec.rates_unreachable)
+    ingress = deployment(
+        Ingress, name=INGRESS, num_replicas=1, max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0},
+    )  # fmt: skip
+    return ingress.bind(engine, spec.max_body_bytes)
+
+
+def app(args: Mapping[str, Any]) -> Any:
+    """``serve run kvgate.cluster:app KEY=VALUE ...``: ``args`` (the replicas' ``kvgate
+    serve`` arguments, one string), ``replicas``, ``routing``, ``rates_unreachable``,
+    ``shutdown_timeout``, ``max_replicas``."""
+    known = {"args", "replicas", "routing", "rates_unreachable", "shutdown_timeout", "max_replicas"}
+    unknown = set(args) - known
+    if unknown:
+        raise InvalidConfig(f"unknown argument(s) {sorted(unknown)}; known: {sorted(known)}")
+    max_replicas = args.get("max_replicas")
+    return application(
+        ClusterSpec(
+            argv=tuple(shlex.split(str(args.get("args", "")))),
+            replicas=int(args.get("replicas", 2)),
+            routing=str(args.get("routing", "affinity")),
+            rates_unreachable=str(args.get("rates_unreachable", "open")),
+            shutdown_timeout=float(args.get("shutdown_timeout", 30.0)),
+            max_replicas=int(max_replicas) if max_replicas is not None else None,
+        )
+    )
+
+
+def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = None) -> Any:
+    """Start (or join) Ray, deploy ``spec`` on ``host:port``; returns the ingress handle.
+    A local Ray gets a small object store: requests and responses are small."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(
+            address=ray_address,
+            include_dashboard=False,
+            object_store_memory=None if ray_address else 256 * 2**20,
+            namespace="kvgate",
+            log_to_driver=os.environ.get("KVGATE_RAY_LOGS", "1") != "0",
+        )
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(application(spec), name=APP, route_prefix="/", blocking=False)
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()  # type: ignore[no-untyped-call]
+    ray.shutdown()
+
+
+def run_cluster(argv: Sequence[str], replicas: int, config: ServerConfig) -> int:
+    """``kvgate serve --replicas N``: serve until SIGINT/SIGTERM, then drain and stop."""
+    from kvgate.entrypoints.serve import setup_logging
+
+    setup_logging(config)
+    spec = ClusterSpec(
+        tuple(argv),
+        replicas,
+        rates_unreachable=config.rates_unreachable,
+        shutdown_timeout=config.shutdown_timeout,
+        max_body_bytes=config.limits.max_body_bytes,
+    )
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    start(spec, config.host, config.port)
+    log.info(
+        "kvgate serving %d replicas on http://%s:%d/v1 (Ray Serve; prefix-cache affinity routing)",
+        replicas, config.host, config.port,
+    )  # fmt: skip
+    done.wait()
+    log.info(
+        "stopping: replicas finish their requests in flight (up to %.0f s)", spec.shutdown_timeout
+    )
+    stop()
+    return 0

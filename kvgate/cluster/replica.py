@@ -1,0 +1,117 @@
+"""One engine replica of the Ray Serve deployment: a whole kvgate server (the app that
+``kvgate serve`` runs, with its engine, KV pool, tenants, usage ledger, metrics) in a Ray
+actor, fed the ingress's requests through ``bridge.run_asgi`` instead of a socket. Nothing of
+the server is rewritten for the cluster: a request through the ingress meets the same
+routes, limits, admission, streaming and errors.
+
+What the cluster adds here: the tenants' rate buckets are the deployment's (``state.py``),
+the replica reports its load and KV use to the router (``record_routing_stats``) and its
+health to Ray (``check_health``), and pushes its metrics for the ingress's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from prometheus_client import generate_latest
+from ray import serve
+
+from kvgate.cluster.bridge import Forwarded, Head, run_asgi
+from kvgate.cluster.metrics import merge
+from kvgate.cluster.state import SharedBuckets, state_actor
+
+log = logging.getLogger("kvgate.cluster")
+
+#: Seconds between pushes of this replica's metrics to the shared state; the ingress's
+#: /metrics is at most this old (plus a scrape), and forgets a replica silent for 4 pushes.
+METRICS_PUSH_S = 2.0
+
+
+class EngineReplica:
+    """``argv``: ``kvgate serve``'s arguments for this replica's server (its port and host
+    unused); ``rates_unreachable``: ``open`` or ``closed`` (see ``state.py``)."""
+
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
+        self, argv: Sequence[str], rates_unreachable: str = "open"
+    ) -> None:
+        from kvgate.entrypoints.cli import serve_settings
+        from kvgate.entrypoints.serve import engine_loader, setup_logging
+        from kvgate.server.app import ServerState, build_app
+
+        models, config = serve_settings(list(argv))
+        setup_logging(config)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.actor = state_actor()
+        buckets = SharedBuckets(self.actor, fail=rates_unreachable)
+        self.app = build_app(
+            config,
+            {m.name: engine_loader(m.engine, config.max_queue_len) for m in models},
+            rate_buckets=buckets,
+        )
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        self.state: ServerState = self.app.state.kvgate
+        await asyncio.to_thread(self.state.ready.wait)
+        if self.state.load_error is not None:
+            raise RuntimeError(f"the model failed to load: {self.state.load_error}")
+        self._pusher = asyncio.ensure_future(self._push_metrics())
+        log.info("replica %s ready", self.name)
+
+    async def handle(
+        self, req: Forwarded, route: tuple[tuple[int, ...], str | None] = ((), None)
+    ) -> AsyncIterator[Head | bytes]:
+        """One forwarded HTTP request (``route`` is the router's: see ``router.py``)."""
+        async for part in run_asgi(self.app, req):
+            yield part
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load and KV use for the router (Ray asks every ``request_routing_stats_period_s``)."""
+        snaps = self.state.snapshots().values()
+        blocks = sum(s.kv_blocks for s in snaps)
+        used = sum(s.kv_used for s in snaps)
+        return {
+            "running": sum(s.running for s in snaps),
+            "waiting": sum(s.waiting for s in snaps),
+            "kv_usage": used / blocks if blocks else 0.0,
+            "version": self.state.serving.model_version if self.state.serving else None,
+        }
+
+    async def check_health(self) -> None:
+        """Ray restarts the replica when this raises: an engine the supervisor gave up on."""
+        for slot in self.state.models:
+            if slot.status not in ("ready", "loading"):
+                raise RuntimeError(f"model {slot.name!r} is {slot.status}")
+
+    async def cluster_metrics(self, authorization: str | None) -> bytes:
+        """Every live replica's metrics, labelled ``replica``; per-tenant series only for a
+        caller this server would show them to (as its own ``/metrics``)."""
+        full = self.state.governance.tenants.may_observe(authorization)
+        texts = await self.actor.replica_metrics.remote(4 * METRICS_PUSH_S)
+        texts[self.name] = self._texts()  # this replica's, fresh
+        return merge({name: pair[0 if full else 1] for name, pair in texts.items()})
+
+    def _texts(self) -> tuple[str, str]:
+        from kvgate.server.app import _Aggregates
+
+        registry = self.state.registry
+        return (
+            generate_latest(registry).decode(),
+            generate_latest(_Aggregates(registry)).decode(),
+        )
+
+    async def _push_metrics(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # the actor restarting: next time
+                await self.actor.push_metrics.remote(self.name, self._texts(), os.getpid())
+            await asyncio.sleep(METRICS_PUSH_S)
+
+    async def __del__(self) -> None:
+        self._pusher.cancel()
+        with contextlib.suppress(Exception):
+            await self.actor.drop_metrics.remote(self.name)
+        await self._lifespan.__aexit__(None, None, None)

@@ -1,0 +1,77 @@
+"""Lineage: an id for each served model version, derived from what it is.
+
+The id is a digest over the weights (the sha256 of every file the checkpoint was read
+from), the model's config, the engine settings that change its outputs or their speed
+(dtype, quantization, context, block size, kernels), and kvgate's version. The same
+weights under the same settings give the same id on every replica and after every
+restart; any change gives another. ``created`` is the weights' modification time (the same
+everywhere the files are the same), ``source`` where they were read from.
+
+Hashing reads the weights once more at load: ~0.3 s for SmolLM2's 100 MB on the
+development machine (AMD EPYC, AVX2), a few seconds for a model of several GB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kvgate
+
+#: Engine settings that are part of a version (others, e.g. threads or queue length, are
+#: how it is run, not what it is).
+VERSIONED_SETTINGS = (
+    "dtype", "quantization", "max_model_len", "block_size", "native_kernels",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    id: str  # "<name>-<12 hex>"
+    digest: str  # sha256 hex of everything below
+    weights_sha256: str
+    created: int  # unix seconds
+    source: str
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def weights_digest(source: str) -> tuple[str, int]:
+    """The sha256 over every file of ``source`` (a file, or a directory's files by relative
+    path), and the newest file's modification time."""
+    root = Path(source)
+    files = _files(root)
+    h = hashlib.sha256()
+    newest = 0
+    for f in files:
+        h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode())
+        with open(f, "rb") as stream:
+            while chunk := stream.read(1 << 20):
+                h.update(chunk)
+        newest = max(newest, int(os.stat(f).st_mtime))
+    return h.hexdigest(), newest
+
+
+def model_version(name: str, source: str, model_config: Any, engine_settings: Any) -> ModelVersion:
+    weights, created = weights_digest(source)
+    settings = {k: getattr(engine_settings, k, None) for k in VERSIONED_SETTINGS}
+    is_instance = dataclasses.is_dataclass(model_config) and not isinstance(model_config, type)
+    config = dataclasses.asdict(model_config) if is_instance else {}
+    described = {
+        "weights_sha256": weights,
+        "model_config": config,
+        "engine": settings,
+        "kvgate": kvgate.__version__,
+    }
+    blob = json.dumps(described, sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(blob).hexdigest()
+    return ModelVersion(f"{name}-{digest[:12]}", digest, weights, created, source)
