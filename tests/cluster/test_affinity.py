@@ -16,7 +16,10 @@ DOC = "第五百零九条 当事人应当按照约定全面履行自己的义务
 
 def chat(*contents: str) -> dict[str, object]:
     roles = ["system", "user", "assistant", "user"]
-    return {"model": "m", "messages": [{"role": r, "content": c} for r, c in zip(roles, contents)]}
+    return {
+        "model": "m",
+        "messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)],
+    }
 
 
 def test_keys_are_chained_over_whole_blocks() -> None:
