@@ -82,6 +82,8 @@ def application(spec: ClusterSpec) -> Any:
                 "min_replicas": spec.replicas,
                 "max_replicas": spec.max_replicas,
                 "target_ongoing_requests": spec.target_requests,
+                # Queue depth and KV use (cluster/autoscale.py), Ray's delays around it.
+                "policy": {"policy_function": "kvgate.cluster.autoscale:kv_aware_policy"},
             }
         }
     deployment: Any = serve.deployment  # its overloads do not type a class with options

@@ -81,6 +81,10 @@ class EngineReplica:
             "version": self.state.serving.model_version if self.state.serving else None,
         }
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The custom metrics of ``autoscale.kv_aware_policy``."""
+        return {"kv_usage": float(self.record_routing_stats()["kv_usage"])}
+
     async def check_health(self) -> None:
         """Ray restarts the replica when this raises: an engine the supervisor gave up on."""
         for slot in self.state.models:

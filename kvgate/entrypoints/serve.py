@@ -12,9 +12,12 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig, available_memory_bytes, parse_memory
@@ -394,7 +397,30 @@ def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
         on_engine_dead=on_engine_dead,
         tracer_provider=provider,
     )
-    server = uvicorn.Server(
+    drain = app.state.kvgate.drain
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM/SIGINT drains (``server/drain.py``), a second stops now."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if drain.draining.is_set():
+                super().handle_exit(sig, frame)
+                return
+            drain.begin()
+            log.info(
+                "%s: draining: no new requests; %d in flight get up to %.0f s",
+                signal.Signals(sig).name, drain.active, config.shutdown_timeout,
+            )  # fmt: skip
+            threading.Thread(target=self._finish, name="kvgate-drain", daemon=True).start()
+
+        def _finish(self) -> None:
+            if drain.wait_idle(config.shutdown_timeout):
+                log.info("drained: every request in flight finished; stopping")
+            else:
+                log.warning("shutdown timeout: %d request(s) still in flight are cut", drain.active)
+            self.should_exit = True
+
+    server = DrainingServer(
         uvicorn_config(
             app,
             config.host,

@@ -49,6 +49,7 @@ from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door, off_loop
+from kvgate.server.drain import Drain, DrainMiddleware
 from kvgate.server.errors import install_error_handlers
 from kvgate.server.files import install_file_routes
 from kvgate.server.governance import Governance
@@ -82,6 +83,8 @@ class ServerState:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     #: Set once every model has loaded (or one failed).
     ready: threading.Event = field(default_factory=threading.Event)
+    #: Requests in flight, and whether the server is draining (SIGTERM: see drain.py).
+    drain: Drain = field(default_factory=Drain)
 
     @property
     def serving(self) -> ServingContext | None:
@@ -327,10 +330,14 @@ def build_app(
             or state.governance.tenants.may_observe(auth)  # admins and metrics keys: the schema
         ),
     )
+    app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(AccessLogMiddleware)
 
     @app.get("/health")
     def health() -> Response:
+        if state.drain.draining.is_set():
+            body = {"status": "draining", "in_flight": state.drain.active}
+            return JSONResponse(body, status_code=503)
         statuses = {slot.name: slot.status for slot in models}
         per_model = {"models": statuses} if len(statuses) > 1 else {}
         if models.all_ready:
@@ -339,6 +346,15 @@ def build_app(
         loading = all(s in ("ready", "loading") for s in statuses.values())
         status = "loading" if loading else "unhealthy"
         return JSONResponse({"status": status, **per_model}, status_code=503)
+
+    @app.get("/health/live")
+    def live() -> Response:
+        """Liveness: the process serves, and no engine is past recovering (loading and
+        draining are alive: only readiness, ``/health``, says 503 for those)."""
+        dead = [slot.name for slot in models if slot.status not in ("ready", "loading")]
+        if dead:
+            return JSONResponse({"status": "dead", "models": dead}, status_code=503)
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:

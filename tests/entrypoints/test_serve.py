@@ -118,3 +118,50 @@ def test_sighup_without_a_tenants_file_does_not_end_the_server(
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "no tenants file to reload" in out
+
+
+def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
+    """A rolling restart's SIGTERM: readiness 503 at once, new requests 503 with
+    Retry-After, the stream in flight runs to its end, then a clean exit."""
+    import threading
+
+    port = _free_port()
+    proc = _serve(
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
+        "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--shutdown-timeout", "60",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "a b c", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+                    time.sleep(0.02)  # a slow reader: the stream outlasts the signal
+
+    try:
+        _wait_healthy(proc, url)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert health.json()["in_flight"] == 1  # the stream, still running
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert refused.headers["retry-after"] == "1"
+        reader.join(60)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert lines[-1] == "data: [DONE]" and len(lines) > 100  # the stream was not cut
+    assert proc.returncode == 0
+    assert "draining" in out and "drained" in out and "Traceback" not in out
