@@ -66,12 +66,12 @@ class ClusterSpec:
             )
 
 
-def application(spec: ClusterSpec) -> Any:
-    """The bound Serve application of ``spec``."""
+def engine_application(spec: ClusterSpec) -> Any:
+    """The engine deployment of ``spec``, bound: an application of its own, or a part of
+    ``application``'s."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from kvgate.cluster.ingress import Ingress
     from kvgate.cluster.replica import EngineReplica
     from kvgate.cluster.router import PrefixAffinityRouter
 
@@ -94,7 +94,7 @@ def application(spec: ClusterSpec) -> Any:
         "request_router_kwargs": {"policy": spec.routing},
         "request_routing_stats_period_s": 2.0,
     }
-    engine = deployment(
+    return deployment(
         EngineReplica,
         name=ENGINE,
         # kvgate's own door (queue limits, fair shares, 503 with Retry-After) decides what
@@ -108,11 +108,27 @@ def application(spec: ClusterSpec) -> Any:
         request_router_config=RequestRouterConfig(**router),
         **scaling,
     ).bind(list(spec.argv), spec.rates_unreachable)
+
+
+def ingress_application(spec: ClusterSpec, engine: Any = None) -> Any:
+    """The ingress, bound; ``engine``: a bound engine deployment in the same application
+    (``serve run``), else it serves the engine application the rollout controller names
+    stable."""
+    from ray import serve
+
+    from kvgate.cluster.ingress import Ingress
+
+    deployment: Any = serve.deployment
     ingress = deployment(
         Ingress, name=INGRESS, num_replicas=1, max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
     )  # fmt: skip
     return ingress.bind(engine, spec.max_body_bytes)
+
+
+def application(spec: ClusterSpec) -> Any:
+    """Ingress and engine in one application (``serve run kvgate.cluster:app``)."""
+    return ingress_application(spec, engine_application(spec))
 
 
 def app(args: Mapping[str, Any]) -> Any:
@@ -136,11 +152,18 @@ def app(args: Mapping[str, Any]) -> Any:
     )
 
 
-def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = None) -> Any:
-    """Start (or join) Ray, deploy ``spec`` on ``host:port``; returns the ingress handle.
-    A local Ray gets a small object store: requests and responses are small."""
+#: The first engine application's name; a rollout's canaries are ``kvgate-engine-2``, ...
+FIRST_ENGINE_APP = f"{ENGINE}-1"
+
+
+def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = None) -> None:
+    """Start (or join) Ray, deploy the engine (as ``FIRST_ENGINE_APP``, stable) and the
+    ingress on ``host:port``. A local Ray gets a small object store: requests and
+    responses are small."""
     import ray
     from ray import serve
+
+    from kvgate.cluster.controller import controller_actor
 
     if not ray.is_initialized():
         ray.init(
@@ -151,14 +174,29 @@ def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = 
             log_to_driver=os.environ.get("KVGATE_RAY_LOGS", "1") != "0",
         )
     serve.start(http_options={"host": host, "port": port})
-    return serve.run(application(spec), name=APP, route_prefix="/", blocking=False)
+    serve.run(engine_application(spec), name=FIRST_ENGINE_APP, route_prefix=None)
+    shared = {
+        "routing": spec.routing,
+        "rates_unreachable": spec.rates_unreachable,
+        "shutdown_timeout": spec.shutdown_timeout,
+    }
+    ray.get(controller_actor().set_stable.remote(FIRST_ENGINE_APP, list(spec.argv), shared))
+    serve.run(ingress_application(spec), name=APP, route_prefix="/")
 
 
 def stop() -> None:
+    import contextlib
+
     import ray
     from ray import serve
 
+    from kvgate.cluster.controller import CONTROLLER
+    from kvgate.cluster.state import NAMESPACE, STATE_ACTOR
+
     serve.shutdown()  # type: ignore[no-untyped-call]
+    for name in (CONTROLLER, STATE_ACTOR):  # detached: they would outlive a shared cluster
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     ray.shutdown()
 
 

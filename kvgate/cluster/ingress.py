@@ -13,8 +13,11 @@ that leaves cancels the replica's call, which aborts the engine request there.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,11 +27,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.cluster.affinity import request_keys
 from kvgate.cluster.bridge import Forwarded, Head
+from kvgate.cluster.controller import ENGINE, PROBE_HEADER
+from kvgate.cluster.rollout import CANARY, STABLE, arm_for
 from kvgate.cluster.router import RouteHint
 
 log = logging.getLogger("kvgate.cluster")
 
-#: Header a client may send to be served by one model version only (see lineage).
+#: Header a client may send to be served by one model version only, during a rollout
+#: (its value: a version id, as /v1/models and every response's header give it).
 VERSION_HEADER = "x-kvgate-model-version"
 
 
@@ -44,9 +50,55 @@ def _sse_error(message: str) -> bytes:
 
 
 class Ingress:
-    def __init__(self, engine: Any, max_body_bytes: int = 4 * 2**20) -> None:
+    """``engine``: the engine deployment bound in the same application (``serve run``);
+    None: the engine applications the rollout controller names (``kvgate serve
+    --replicas``)."""
+
+    def __init__(self, engine: Any = None, max_body_bytes: int = 4 * 2**20) -> None:
+        from kvgate.cluster.controller import controller_actor
+
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.controller = controller_actor()
+        self.routing: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}
+        self.outcomes: list[tuple[str, bool, float | None, tuple[float, ...]]] = []
+        self._sync = asyncio.ensure_future(self._keep_in_sync())
+
+    async def _keep_in_sync(self) -> None:
+        """Twice a second: the controller's routing in, the requests' outcomes out."""
+        while True:
+            with contextlib.suppress(Exception):  # the controller restarting: next time
+                outcomes, self.outcomes = self.outcomes, []
+                if outcomes:
+                    self.controller.report.remote(outcomes)
+                self.routing = await self.controller.routing.remote()
+            await asyncio.sleep(SYNC_S)
+
+    def _handle(self, arm: str) -> Any:
+        app_name = self.routing.get(arm)
+        if app_name is None:
+            if arm == STABLE and self.engine is not None:
+                return self.engine
+            raise LookupError("no engine application is serving yet")
+        handle = self.handles.get(app_name)
+        if handle is None:
+            from ray import serve
+
+            handle = self.handles[app_name] = serve.get_deployment_handle(ENGINE, app_name)
+        return handle
+
+    def _arm(self, request: Request) -> str:
+        if not self.routing.get(CANARY):
+            return STABLE
+        pinned = request.headers.get(VERSION_HEADER)
+        for arm, version in self.routing.get("versions", {}).items():
+            if pinned is not None and pinned == version:
+                return str(arm)
+        client = request.headers.get("authorization") or (
+            request.client.host if request.client else ""
+        )
+        return arm_for(float(self.routing.get("weight", 0.0)), client, self.routing.get("salt", ""))
 
     async def _body(self, request: Request) -> bytes | None:
         chunks: list[bytes] = []
@@ -60,8 +112,7 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/metrics" and request.method == "GET":
-            text = await self.engine.cluster_metrics.remote(request.headers.get("authorization"))
-            return Response(text, media_type=CONTENT_TYPE_LATEST)
+            return await self._metrics(request)
         body = await self._body(request)
         if body is None:
             return _error(
@@ -70,32 +121,46 @@ class Ingress:
                 "request_too_large",
                 "invalid_request_error",
             )
-        hint = RouteHint(self._keys(request, body), request.headers.get(VERSION_HEADER))
+        arm = self._arm(request)
+        hint = RouteHint(self._keys(request, body), None)
         client = request.client
         forwarded = Forwarded(
             request.method,
             request.url.path,
             request.url.query.encode(),
-            tuple(request.headers.raw),
+            # Only the controller marks a request as its own probe.
+            tuple((k, v) for k, v in request.headers.raw if k != PROBE_HEADER),
             body,
             (client.host, client.port) if client is not None else None,
         )
+        start = time.perf_counter()
         for attempt in range(2):
-            stream = self.engine.options(stream=True).handle.remote(forwarded, route=hint.wire())
             try:
+                stream = (
+                    self._handle(arm)
+                    .options(stream=True)
+                    .handle.remote(forwarded, route=hint.wire())
+                )
                 head = await stream.__anext__()
             except StopAsyncIteration:
+                self._outcome(arm, True, None, ())
                 return _error(502, "the replica sent no response", "replica_failed")
             except Exception as exc:  # the replica died or is gone: once more, elsewhere
-                stream.cancel()
+                with contextlib.suppress(Exception):
+                    stream.cancel()
                 log.warning("replica failed before responding (%s): %s", type(exc).__name__, exc)
                 if attempt == 0:
                     continue
+                self._outcome(arm, True, None, ())
                 return _error(503, "no replica could serve the request; retry", "replica_failed")
             break
-        response = StreamingResponse(self._rest(stream, head), status_code=head.status)
+        response = StreamingResponse(self._rest(stream, head, arm, start), status_code=head.status)
         response.raw_headers = list(head.headers)
         return response
+
+    def _outcome(self, arm: str, failed: bool, ttft: float | None, gaps: tuple[float, ...]) -> None:
+        if len(self.outcomes) < 100_000:  # the controller away for long: keep the newest
+            self.outcomes.append((arm, failed, ttft, gaps))
 
     @staticmethod
     def _keys(request: Request, body: bytes) -> tuple[int, ...]:
@@ -107,18 +172,67 @@ class Ingress:
             return ()  # the replica answers the 400
         return request_keys(request.url.path, parsed) if isinstance(parsed, dict) else ()
 
-    @staticmethod
-    async def _rest(stream: Any, head: Head) -> AsyncIterator[bytes]:
+    async def _rest(self, stream: Any, head: Head, arm: str, start: float) -> AsyncIterator[bytes]:
         # (``head`` may be a copy of ``Head`` unpickled from elsewhere: read, not isinstance)
         sse = any(
             k == b"content-type" and v.startswith(b"text/event-stream") for k, v in head.headers
         )
+        failed = head.status >= 500
+        ttft: float | None = None
+        gaps: list[float] = []
+        last = 0.0
         try:
             async for part in stream:
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                elif sse and len(gaps) < GAPS_PER_REQUEST:
+                    gaps.append(now - last)
+                last = now
+                if sse and part.startswith(b'data: {"error"'):
+                    failed = True
                 yield part
         except Exception as exc:
+            failed = True
             log.warning("replica failed mid-response (%s): %s", type(exc).__name__, exc)
             if sse:
                 yield _sse_error(f"the replica serving this stream failed: {type(exc).__name__}")
         finally:
             stream.cancel()
+            self._outcome(arm, failed, ttft, tuple(gaps))
+
+    async def _metrics(self, request: Request) -> Response:
+        auth = request.headers.get("authorization")
+        text: bytes = await self._handle(STABLE).cluster_metrics.remote(auth)
+        with contextlib.suppress(Exception):
+            status = await self.controller.status.remote()
+            text += rollout_metrics(status)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+#: Seconds between the ingress's reads of the routing (a rollback takes effect within it).
+SYNC_S = 0.5
+#: Inter-chunk gaps kept per streamed request, for the judge's inter-token p99.
+GAPS_PER_REQUEST = 64
+ROLLOUT_STATES = ("idle", "loading", "progressing", "promoted", "rolled_back", "rejected")
+
+
+def rollout_metrics(status: dict[str, Any]) -> bytes:
+    lines = [
+        "# HELP kvgate:rollout_state The rollout's state (1 for the current one).",
+        "# TYPE kvgate:rollout_state gauge",
+        *(
+            f'kvgate:rollout_state{{state="{s}"}} {1.0 if status["state"] == s else 0.0}'
+            for s in ROLLOUT_STATES
+        ),
+        "# HELP kvgate:rollout_canary_weight Per cent of traffic sent to the canary.",
+        "# TYPE kvgate:rollout_canary_weight gauge",
+        f"kvgate:rollout_canary_weight {float(status['weight'])}",
+        "# HELP kvgate:rollout_decisions Rollout decisions, by decision.",
+        "# TYPE kvgate:rollout_decisions counter",
+        *(
+            f'kvgate:rollout_decisions_total{{decision="{d}"}} {float(n)}'
+            for d, n in sorted(status["decisions"].items())
+        ),
+    ]
+    return ("\n".join(lines) + "\n").encode()

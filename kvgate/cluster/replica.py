@@ -15,17 +15,48 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import generate_latest
 from ray import serve
 
 from kvgate.cluster.bridge import Forwarded, Head, run_asgi
+from kvgate.cluster.controller import PROBE_HEADER
 from kvgate.cluster.metrics import merge
 from kvgate.cluster.state import SharedBuckets, state_actor
 
 log = logging.getLogger("kvgate.cluster")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Faults injected on purpose (``--fault``), to see a rollout roll back."""
+
+    errors: float = 0.0  # fraction of API requests answered 500
+    latency_s: float = 0.0  # added before each request
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Fault:
+        from kvgate.errors import InvalidConfig
+
+        if not spec:
+            return cls()
+        values: dict[str, float] = {}
+        for item in spec.split(","):
+            name, _, value = item.partition("=")
+            if name.strip() not in ("errors", "latency"):
+                raise InvalidConfig(
+                    f"--fault: unknown {name!r} (errors=F, latency=S)", param="fault"
+                )
+            try:
+                values[name.strip()] = float(value)
+            except ValueError:
+                raise InvalidConfig(f"--fault: {item!r} needs a number", param="fault") from None
+        return cls(values.get("errors", 0.0), values.get("latency", 0.0))
+
 
 #: Seconds between pushes of this replica's metrics to the shared state; the ingress's
 #: /metrics is at most this old (plus a scrape), and forgets a replica silent for 4 pushes.
@@ -39,11 +70,12 @@ class EngineReplica:
     async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
         self, argv: Sequence[str], rates_unreachable: str = "open"
     ) -> None:
-        from kvgate.entrypoints.cli import serve_settings
+        from kvgate.entrypoints.cli import _parse, serve_settings
         from kvgate.entrypoints.serve import engine_loader, setup_logging
         from kvgate.server.app import ServerState, build_app
 
         models, config = serve_settings(list(argv))
+        self.fault = Fault.parse(_parse(["serve", *argv]).fault)
         setup_logging(config)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.actor = state_actor()
@@ -66,6 +98,15 @@ class EngineReplica:
         self, req: Forwarded, route: tuple[tuple[int, ...], str | None] = ((), None)
     ) -> AsyncIterator[Head | bytes]:
         """One forwarded HTTP request (``route`` is the router's: see ``router.py``)."""
+        if self.fault.latency_s:
+            await asyncio.sleep(self.fault.latency_s)
+        probe = any(k == PROBE_HEADER for k, _ in req.headers)
+        if self.fault.errors and not probe and random.random() < self.fault.errors:
+            body = b'{"error": {"message": "injected fault", "type": "server_error", '
+            body += b'"param": null, "code": "injected_fault"}}'
+            yield Head(500, ((b"content-type", b"application/json"),))
+            yield body
+            return
         async for part in run_asgi(self.app, req):
             yield part
 

@@ -207,6 +207,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(models, config)
 
 
+def cmd_rollout(a: argparse.Namespace) -> int:
+    from kvgate.cluster.rollout_cli import cmd_rollout as run
+
+    return run(a)
+
+
 def serve_settings(argv: Sequence[str]) -> tuple[list[ModelToServe], ServerConfig]:
     """What ``kvgate serve ARGV`` would serve, and its server settings (a cluster replica
     builds its server from these)."""
@@ -229,6 +235,13 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_server_args(serve)
     _engine_args(serve, several_models=True)
     serve.set_defaults(func=cmd_serve)
+    rollout = sub.add_parser(
+        "rollout", help="canary rollouts on a running `kvgate serve --replicas` cluster"
+    )
+    from kvgate.cluster.rollout_cli import add_rollout_args
+
+    add_rollout_args(rollout)
+    rollout.set_defaults(func=cmd_rollout)
     gen = sub.add_parser("generate", help="generate a reply to one prompt")
     gen.add_argument("prompt", nargs="?", default="Write a haiku about a cache.")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")

@@ -125,6 +125,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "replica limits alone) or closed (rate-limited tenants get 503)",
     )
     c.add_argument(
+        "--fault",
+        default=None,
+        help="with --replicas, for trying rollbacks: errors=F (a fraction F of requests "
+        "answered 500) and/or latency=S (S seconds before each), comma-separated",
+    )
+    c.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

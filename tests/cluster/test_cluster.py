@@ -1,6 +1,6 @@
 """Two SmolLM2 replicas on a local Ray Serve behind kvgate's ingress: prefix affinity, load
 spread, a tenant's rate across both, streaming with disconnects, a replica killed -9 under
-load, and lineage. One cluster for the module (Ray and two model loads: ~40 s)."""
+load, and lineage (the cluster: ``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -8,94 +8,19 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster.conftest import DOC, chat, eventually, per_replica
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-from kvgate.cluster.app import APP, ENGINE, ClusterSpec, start, stop  # noqa: E402
+from kvgate.cluster.app import ENGINE, FIRST_ENGINE_APP  # noqa: E402
 from kvgate.cluster.state import NAMESPACE, STATE_ACTOR  # noqa: E402
-
-TENANTS = """
-admin_keys = ["sk-admin"]
-
-[tenants.open]
-keys = ["sk-open"]
-
-[tenants.limited]
-keys = ["sk-limited"]
-requests_per_minute = 6
-"""
-
-DOC = (
-    "Article {i}. The parties shall perform their obligations in full as agreed, and "
-    "shall follow the principle of good faith in notifying, assisting and keeping secret. "
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_path: Path) -> Iterator[str]:
-    d = tmp_path_factory.mktemp("cluster")
-    (d / "tenants.toml").write_text(TENANTS)
-    argv = (
-        "--model", str(smollm2_gguf_path), "--served-model-name", "smollm2",
-        "--threads", "1", "--kv-cache-memory", "64MiB", "--max-model-len", "2048",
-        "--tenants", str(d / "tenants.toml"), "--data-dir", str(d / "data"),
-        "--usage-db", str(d / "usage.sqlite3"), "--access-log", "",
-    )  # fmt: skip
-    port = _free_port()
-    os.environ["KVGATE_RAY_LOGS"] = "0"
-    start(ClusterSpec(argv, replicas=2, shutdown_timeout=10), "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop()
-
-
-def chat(url: str, key: str, content: str, system: str = "", **extra: Any) -> httpx.Response:
-    messages = [{"role": "system", "content": system}] if system else []
-    body = {"messages": [*messages, {"role": "user", "content": content}], "max_tokens": 2}
-    return httpx.post(
-        f"{url}/v1/chat/completions",
-        json={**body, **extra},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    )
-
-
-def per_replica(url: str, sample: str, **labels: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-admin"}).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
-    return out
-
-
-def eventually(check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """``check()``'s first truthy result (replicas push their metrics every 2 s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.5)
 
 
 def test_the_same_prefix_lands_on_the_replica_that_cached_it(url: str) -> None:
@@ -246,7 +171,7 @@ def test_a_replica_killed_under_load_fails_its_streams_cleanly(url: str) -> None
     assert [chat(url, "sk-open", f"after {i}").status_code for i in range(3)] == [200] * 3
 
     def back() -> bool:
-        status = serve.status().applications[APP].deployments[ENGINE]
+        status = serve.status().applications[FIRST_ENGINE_APP].deployments[ENGINE]
         pids_now = _replica_pids()
         return status.replica_states.get("RUNNING", 0) == 2 and len(pids_now) == 2
 
