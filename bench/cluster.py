@@ -43,9 +43,19 @@ PORT = 8123
 
 def base_argv(threads: int, kv: str, data: str) -> tuple[str, ...]:
     return (
-        "--threads", str(threads), "--kv-cache-memory", kv, "--max-model-len", "4096",
-        "--data-dir", data, "--usage-db", f"{data}/usage.sqlite3", "--access-log", "",
-    )  # fmt: skip
+        "--threads",
+        str(threads),
+        "--kv-cache-memory",
+        kv,
+        "--max-model-len",
+        "4096",
+        "--data-dir",
+        data,
+        "--usage-db",
+        f"{data}/usage.sqlite3",
+        "--access-log",
+        "",
+    )
 
 
 def serving_run(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -59,14 +69,25 @@ def serving_run(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_serving(args: argparse.Namespace, data: str) -> None:
     threads = os.cpu_count() or 2
-    print(f"\n== serving: {args.num_requests} requests, {args.output_len} tokens out, "
-          f"concurrency {args.concurrency} ==", flush=True)  # fmt: skip
+    print(
+        f"\n== serving: {args.num_requests} requests, {args.output_len} tokens out, "
+        f"concurrency {args.concurrency} ==",
+        flush=True,
+    )
     rows: dict[str, dict[str, Any]] = {}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgate.entrypoints.cli", "serve", "--port", str(PORT + 1),
-         *base_argv(threads, "512MiB", data)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvgate.entrypoints.cli",
+            "serve",
+            "--port",
+            str(PORT + 1),
+            *base_argv(threads, "512MiB", data),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{PORT + 1}"
         wait_healthy(Server("kvgate", url, proc))
@@ -87,8 +108,10 @@ def bench_serving(args: argparse.Namespace, data: str) -> None:
             stop()
     one, two, plain = rows["1 replica"], rows["2 replicas"], rows["kvgate serve"]
     print(
-        f"  ratios: 2 replicas / 1 replica: output tok/s {two['output_tok_s'] / one['output_tok_s']:.2f}x, "
-        f"TTFT p99 {two['ttft_p99'] / one['ttft_p99']:.2f}x; 1 replica on Ray / plain kvgate serve: "
+        "  ratios: 2 replicas / 1 replica: output tok/s "
+        f"{two['output_tok_s'] / one['output_tok_s']:.2f}x, "
+        f"TTFT p99 {two['ttft_p99'] / one['ttft_p99']:.2f}x; "
+        "1 replica on Ray / plain kvgate serve: "
         f"tok/s {one['output_tok_s'] / plain['output_tok_s']:.2f}x, "
         f"TTFT p99 {one['ttft_p99'] / plain['ttft_p99']:.2f}x",
         flush=True,
@@ -111,23 +134,30 @@ def bench_prefix(args: argparse.Namespace, data: str) -> None:
     rng = random.Random(3)
     work = [(d, q) for d in range(args.docs) for q in range(args.questions)]
     rng.shuffle(work)
-    print(f"\n== shared prefixes: {args.docs} documents x ~{args.doc_tokens} tokens, "
-          f"{args.questions} questions each, 2 replicas of {args.kv} KV ==", flush=True)  # fmt: skip
+    print(
+        f"\n== shared prefixes: {args.docs} documents x ~{args.doc_tokens} tokens, "
+        f"{args.questions} questions each, 2 replicas of {args.kv} KV ==",
+        flush=True,
+    )
     rates: dict[str, float] = {}
     for routing in ("affinity", "least_loaded"):
-        start(ClusterSpec(base_argv(1, args.kv, data), replicas=2, routing=routing),
-              "127.0.0.1", PORT)  # fmt: skip
+        start(
+            ClusterSpec(base_argv(1, args.kv, data), replicas=2, routing=routing), "127.0.0.1", PORT
+        )
         url = f"http://127.0.0.1:{PORT}"
         try:
             before = _cache_counters(url)
 
-            async def go() -> float:
+            async def go(url: str = url) -> float:
                 gate = asyncio.Semaphore(4)
                 async with httpx.AsyncClient(timeout=600) as http:
 
                     async def one(d: int, q: int) -> None:
-                        body = {"prompt": f"{docs[d]}\nQuestion {q}: what does it say?",
-                                "max_tokens": 4, "temperature": 0}  # fmt: skip
+                        body = {
+                            "prompt": f"{docs[d]}\nQuestion {q}: what does it say?",
+                            "max_tokens": 4,
+                            "temperature": 0,
+                        }
                         async with gate:
                             r = await http.post(f"{url}/v1/completions", json=body)
                             r.raise_for_status()
@@ -141,12 +171,18 @@ def bench_prefix(args: argparse.Namespace, data: str) -> None:
             after = _cache_counters(url)
             hits, queries = after[0] - before[0], after[1] - before[1]
             rates[routing] = hits / queries if queries else 0.0
-            print(f"  {routing:<12} hit rate {rates[routing]:.3f} ({hits:.0f} of {queries:.0f} "
-                  f"prompt tokens), {len(work)} requests in {wall:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"  {routing:<12} hit rate {rates[routing]:.3f} ({hits:.0f} of {queries:.0f} "
+                f"prompt tokens), {len(work)} requests in {wall:.1f} s",
+                flush=True,
+            )
         finally:
             stop()
-    print(f"  ratio: affinity / least_loaded hit rate "
-          f"{rates['affinity'] / max(rates['least_loaded'], 1e-9):.2f}x", flush=True)  # fmt: skip
+    print(
+        f"  ratio: affinity / least_loaded hit rate "
+        f"{rates['affinity'] / max(rates['least_loaded'], 1e-9):.2f}x",
+        flush=True,
+    )
 
 
 def bench_rollback(args: argparse.Namespace, data: str) -> None:
@@ -155,8 +191,9 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
     from kvgate.cluster.controller import CONTROLLER
     from kvgate.cluster.state import NAMESPACE
 
-    print("\n== rollback: canary with --fault errors=0.5, steps 50,100, interval 30 s ==",
-          flush=True)  # fmt: skip
+    print(
+        "\n== rollback: canary with --fault errors=0.5, steps 50,100, interval 30 s ==", flush=True
+    )
     golden = Path(data) / "golden.jsonl"
     golden.write_text(
         '{"prompt": "What is the capital of France? Answer in one word.", "expect": "Paris"}\n'
@@ -169,8 +206,12 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
     def client(i: int) -> None:
         while not stop_traffic.is_set():
             body = {"prompt": "Say hi.", "max_tokens": 2}
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
-                           headers={"Authorization": f"Bearer sk-{i}"})  # fmt: skip
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json=body,
+                timeout=60,
+                headers={"Authorization": f"Bearer sk-{i}"},
+            )
             seen.append((time.time(), r.headers.get("x-kvgate-model-version", ""), r.status_code))
 
     try:
@@ -178,12 +219,24 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        ray.get(controller.start.remote(
-            ["--model", "smollm2", "--max-model-len", "2048", "--fault", "errors=0.5"],
-            [50, 100], 30.0,
-            [{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-              "expect": "Paris"}],
-        ))  # fmt: skip
+        ray.get(
+            controller.start.remote(
+                ["--model", "smollm2", "--max-model-len", "2048", "--fault", "errors=0.5"],
+                [50, 100],
+                30.0,
+                [
+                    {
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": "What is the capital of France? Answer in one word.",
+                            }
+                        ],
+                        "expect": "Paris",
+                    }
+                ],
+            )
+        )
         while ray.get(controller.status.remote())["state"] in ("loading", "progressing"):
             time.sleep(0.2)
         time.sleep(3)
@@ -197,13 +250,19 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
     stable = status["stable"]["version"]
     canary = [t for t, v, _ in seen if v != stable]
     decided = decision["ts"]
-    print(f"  decision: {decision['decision']} ({decision.get('reason')}), "
-          f"{decision.get('seconds_into_step')} s after the canary took traffic; canary "
-          f"{decision.get('canary')}, stable {decision.get('stable')}", flush=True)  # fmt: skip
+    print(
+        f"  decision: {decision['decision']} ({decision.get('reason')}), "
+        f"{decision.get('seconds_into_step')} s after the canary took traffic; canary "
+        f"{decision.get('canary')}, stable {decision.get('stable')}",
+        flush=True,
+    )
     if canary:
-        print(f"  canary responses: {len(canary)}, the last {max(canary) - decided:+.2f} s from the "
-              f"decision (requests already sent to it finishing); full rollback "
-              f"{max(canary) - min(canary):.2f} s after its first response", flush=True)  # fmt: skip
+        print(
+            f"  canary responses: {len(canary)}, the last {max(canary) - decided:+.2f} s from the "
+            f"decision (requests already sent to it finishing); full rollback "
+            f"{max(canary) - min(canary):.2f} s after its first response",
+            flush=True,
+        )
 
 
 def main() -> None:
