@@ -174,7 +174,12 @@ def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = 
             log_to_driver=os.environ.get("KVGATE_RAY_LOGS", "1") != "0",
         )
     serve.start(http_options={"host": host, "port": port})
-    serve.run(engine_application(spec), name=FIRST_ENGINE_APP, route_prefix=None)
+    try:
+        serve.run(engine_application(spec), name=FIRST_ENGINE_APP, route_prefix=None)
+    except RuntimeError as exc:
+        raise InvalidConfig(
+            f"the replicas failed to start: {_why(FIRST_ENGINE_APP, exc)}"
+        ) from None
     shared = {
         "routing": spec.routing,
         "rates_unreachable": spec.rates_unreachable,
@@ -182,6 +187,24 @@ def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = 
     }
     ray.get(controller_actor().set_stable.remote(FIRST_ENGINE_APP, list(spec.argv), shared))
     serve.run(ingress_application(spec), name=APP, route_prefix="/")
+
+
+def _why(app_name: str, exc: Exception) -> str:
+    """The replicas' own error behind Serve's "failed to update the deployments"."""
+    from ray import serve
+
+    try:
+        message = serve.status().applications[app_name].deployments[ENGINE].message
+    except Exception:
+        return str(exc)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if (
+            line.startswith(("RuntimeError:", "InvalidConfig:", "ModelNotFound:"))
+            or "Error:" in line
+        ):
+            return line.split(":", 1)[1].strip()
+    return lines[-1] if lines else str(exc)
 
 
 def stop() -> None:
@@ -212,10 +235,17 @@ def run_cluster(argv: Sequence[str], replicas: int, config: ServerConfig) -> int
         shutdown_timeout=config.shutdown_timeout,
         max_body_bytes=config.limits.max_body_bytes,
     )
+    from kvgate.entrypoints.cli import serve_settings
+
+    serve_settings(list(argv))  # a bad option is refused here, before Ray starts
+    try:
+        start(spec, config.host, config.port)
+    except BaseException:
+        stop()
+        raise
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: done.set())
-    start(spec, config.host, config.port)
     log.info(
         "kvgate serving %d replicas on http://%s:%d/v1 (Ray Serve; prefix-cache affinity routing)",
         replicas, config.host, config.port,

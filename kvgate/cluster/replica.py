@@ -156,7 +156,13 @@ class EngineReplica:
             await asyncio.sleep(METRICS_PUSH_S)
 
     async def __del__(self) -> None:
-        self._pusher.cancel()
-        with contextlib.suppress(Exception):
-            await self.actor.drop_metrics.remote(self.name)
-        await self._lifespan.__aexit__(None, None, None)
+        """Also after a constructor that raised: only what it got to is undone."""
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.cancel()
+            with contextlib.suppress(Exception):
+                await self.actor.drop_metrics.remote(self.name)
+        lifespan = getattr(self, "_lifespan", None)
+        if lifespan is not None:
+            with contextlib.suppress(Exception):
+                await lifespan.__aexit__(None, None, None)

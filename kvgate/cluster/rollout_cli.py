@@ -78,7 +78,12 @@ def cmd_rollout(a: argparse.Namespace) -> int:
     from kvgate.cluster.controller import CONTROLLER
     from kvgate.cluster.state import NAMESPACE
 
-    ray.init(address=a.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        ray.init(address=a.address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as exc:
+        raise InvalidConfig(
+            f"no Ray cluster at {a.address!r} ({exc}); start one with kvgate serve --replicas N"
+        ) from None
     try:
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     except ValueError:
