@@ -188,7 +188,11 @@ class RolloutController:
         if self.state in ("loading", "progressing"):
             raise InvalidConfig(f"a rollout is {self.state}: abort or promote it first")
         if self.stable_app is None:
-            raise InvalidConfig("no stable version is serving")
+            raise InvalidConfig(
+                "no stable engine application to roll out from: rollouts need the engine in "
+                "an application of its own, as `kvgate serve --replicas N` deploys it "
+                "(`serve run kvgate.cluster:app` puts it beside the ingress)"
+            )
         self.plan, self.step, self.weight, self.outcomes = plan, -1, 0.0, []
         self.versions.pop(CANARY, None)
         self.salt = uuid.uuid4().hex
