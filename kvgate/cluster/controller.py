@@ -47,6 +47,9 @@ ENGINE = "kvgate-engine"
 #: Marks the controller's own requests (versions, golden prompts): ``--fault errors``
 #: spares them, so an injected error rate meets the judge, not the golden check.
 PROBE_HEADER = b"x-kvgate-probe"
+#: Seconds between taking an application out of the routing and deleting it: several of
+#: the ingress's reads of the routing (``ingress.SYNC_S``, 0.5 s).
+DELETE_AFTER_S = 3.0
 #: How long a canary may take to load before the rollout gives up on it.
 LOAD_TIMEOUT_S = 600.0
 
@@ -348,7 +351,11 @@ class RolloutController:
     async def _delete(self, app_name: str) -> None:
         from ray import serve
 
-        # Serve stops routing to its replicas and lets their requests in flight finish.
+        # First every ingress must have read that the application gets nothing new: a
+        # request sent to an application being deleted waits for a replica that never
+        # comes (seen: a client's 120 s timeout). Then Serve stops its replicas, letting
+        # their requests in flight finish.
+        await asyncio.sleep(DELETE_AFTER_S)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(serve.delete, app_name)
 

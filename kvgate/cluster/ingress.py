@@ -61,6 +61,7 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
         self.controller = controller_actor()
         self.routing: dict[str, Any] = {}
+        self.routing_at = 0.0
         self.handles: dict[str, Any] = {}
         self.outcomes: list[tuple[str, bool, float | None, tuple[float, ...]]] = []
         self._sync = asyncio.ensure_future(self._keep_in_sync())
@@ -73,6 +74,7 @@ class Ingress:
                 if outcomes:
                     self.controller.report.remote(outcomes)
                 self.routing = await self.controller.routing.remote()
+                self.routing_at = time.monotonic()
             await asyncio.sleep(SYNC_S)
 
     def _handle(self, arm: str) -> Any:
@@ -91,6 +93,8 @@ class Ingress:
     def _arm(self, request: Request) -> str:
         if not self.routing.get(CANARY):
             return STABLE
+        if time.monotonic() - self.routing_at > STALE_S:
+            return STABLE  # the controller not answering: its canary may be gone by now
         pinned = request.headers.get(VERSION_HEADER)
         for arm, version in self.routing.get("versions", {}).items():
             if pinned is not None and pinned == version:
@@ -111,6 +115,10 @@ class Ingress:
         return b"".join(chunks)
 
     async def __call__(self, request: Request) -> Response:
+        if not self.routing and self.engine is None:  # just started: ask, do not guess
+            with contextlib.suppress(Exception):
+                self.routing = await self.controller.routing.remote()
+                self.routing_at = time.monotonic()
         if request.url.path == "/metrics" and request.method == "GET":
             return await self._metrics(request)
         body = await self._body(request)
@@ -203,7 +211,10 @@ class Ingress:
 
     async def _metrics(self, request: Request) -> Response:
         auth = request.headers.get("authorization")
-        text: bytes = await self._handle(STABLE).cluster_metrics.remote(auth)
+        try:
+            text: bytes = await self._handle(STABLE).cluster_metrics.remote(auth)
+        except Exception as exc:
+            return _error(503, f"no replica could give its metrics: {exc}", "replica_failed")
         with contextlib.suppress(Exception):
             status = await self.controller.status.remote()
             text += rollout_metrics(status)
@@ -212,6 +223,9 @@ class Ingress:
 
 #: Seconds between the ingress's reads of the routing (a rollback takes effect within it).
 SYNC_S = 0.5
+#: Routing older than this (the controller not answering) sends nothing to a canary: it is
+#: deleted ``controller.DELETE_AFTER_S`` after being taken out of the routing.
+STALE_S = 2.0
 #: Inter-chunk gaps kept per streamed request, for the judge's inter-token p99.
 GAPS_PER_REQUEST = 64
 ROLLOUT_STATES = ("idle", "loading", "progressing", "promoted", "rolled_back", "rejected")
