@@ -25,7 +25,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from kvgate.cluster.bridge import Forwarded
@@ -358,6 +357,3 @@ class RolloutController:
         await asyncio.sleep(DELETE_AFTER_S)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(serve.delete, app_name)
-
-    def limits(self) -> dict[str, Any]:
-        return asdict(self.plan.limits) if self.plan else asdict(Limits())

@@ -46,9 +46,6 @@ class ClusterState:
     def give(self, tenant: str, amounts: tuple[int, int]) -> None:
         self.buckets.give(tenant, amounts, time.time())
 
-    def headers(self, tenant: str) -> dict[str, str]:
-        return self.buckets.headers(tenant)
-
     def push_metrics(self, replica: str, texts: tuple[str, str], pid: int = 0) -> None:
         """``texts``: the replica's whole exposition, and the one without per-tenant series;
         ``pid``: its process (for operators, and the tests that kill one)."""
