@@ -17,6 +17,18 @@ class KVGateError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Whatever a subclass's __init__ takes: its state travels whole (errors cross from
+        # the engine's process to the front end's).
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[KVGateError], args: tuple[object, ...], state: dict[str, object]) -> object:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequest(KVGateError):
     """A request parameter has a value the engine cannot honour (400)."""

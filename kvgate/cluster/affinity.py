@@ -152,23 +152,32 @@ IMBALANCE = 4
 KV_FULL = 0.95
 
 
+def by_load(loads: Sequence[ReplicaLoad]) -> list[list[Hashable]]:
+    """The replicas in ranks of equal load, least loaded first. Ray Serve picks within a
+    rank by its own queue-length cache, which lags a burst (a CI run sent 7 of 8
+    concurrent requests to one replica when both sat in one rank); ranking by the
+    router's own in-flight count spreads the burst as it is routed."""
+    levels = sorted({r.requests for r in loads})
+    return [[r.replica for r in loads if r.requests == level] for level in levels]
+
+
 def rank(
     keys: Sequence[int],
     loads: Sequence[ReplicaLoad],
     table: AffinityTable,
     imbalance: int = IMBALANCE,
 ) -> list[list[Hashable]]:
-    """The replicas in the order to try them, in ranks (the router takes the least loaded
-    of the first rank that has room): the replica holding the request's longest cached
-    prefix alone first, when its load allows, then the rest; else all of them at once."""
+    """The replicas in the order to try them, in ranks (the router takes the first rank
+    that has room): the replica holding the request's longest cached prefix alone first,
+    when its load allows, then the rest by load; else all of them by load."""
     if not loads:
         return []
     everyone = [r.replica for r in loads]
     best, _ = table.longest(keys, everyone) if keys else (None, 0)
     if best is None:
-        return [everyone]
+        return by_load(loads)
     least = min(r.requests for r in loads)
     holder = next(r for r in loads if r.replica == best)
     if holder.requests - least > imbalance or holder.kv_usage >= KV_FULL:
-        return [everyone]
-    return [[best], [r for r in everyone if r != best]] if len(everyone) > 1 else [[best]]
+        return by_load(loads)
+    return [[best], *by_load([r for r in loads if r.replica != best])]

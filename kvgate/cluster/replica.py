@@ -82,7 +82,12 @@ class EngineReplica:
         buckets = SharedBuckets(self.actor, fail=rates_unreachable)
         self.app = build_app(
             config,
-            {m.name: engine_loader(m.engine, config.max_queue_len) for m in models},
+            {
+                m.name: engine_loader(
+                    m.engine, config.max_queue_len, own_process=config.engine_process
+                )
+                for m in models
+            },
             rate_buckets=buckets,
         )
         self._lifespan = self.app.router.lifespan_context(self.app)

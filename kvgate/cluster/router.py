@@ -59,6 +59,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.table = AffinityTable()
         self.ongoing: dict[ReplicaID, int] = {}
         self.request_replica: dict[str, ReplicaID] = {}
+        self.turn = 0
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         rid = replica.replica_id
@@ -85,6 +86,11 @@ class PrefixAffinityRouter(RequestRouter):
         ]
         if not candidates:
             return []  # none of that version yet: the router backs off and asks again
+        # Ray takes the first of equal queue lengths in a rank: take turns at being first, so
+        # requests that find the replicas equally loaded alternate between them.
+        candidates.sort(key=lambda r: str(r.replica_id))
+        self.turn = (self.turn + 1) % len(candidates)
+        candidates = candidates[self.turn :] + candidates[: self.turn]
         by_id: dict[Hashable, RunningReplica] = {r.replica_id: r for r in candidates}
         keys = hint.keys if self.policy == "affinity" else ()
         ranks = rank(keys, [self._load(r) for r in candidates], self.table, self.imbalance)

@@ -16,6 +16,7 @@ from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.request_factory import RequestFactory
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.snapshot import EngineSnapshot
@@ -28,11 +29,8 @@ from kvgate.engine.stats import (
 )
 from kvgate.errors import (
     DuplicateRequestId,
-    EmptyPrompt,
     InvalidConfig,
-    InvalidRequest,
     KVCacheTooSmall,
-    PromptTooLong,
 )
 from kvgate.model.attention import TorchAttention
 from kvgate.model.checkpoint import load_checkpoint
@@ -168,6 +166,13 @@ class LLMEngine:
         #: Compiles and caches constrained requests' grammars (the server checks them with
         #: it before admitting a request; the runner makes each request's matcher from it).
         self.grammars = GrammarCompiler(self.tokenizer, sorted(eos))
+        self.requests = RequestFactory(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.grammars,
+            self.eos_token_ids,
+        )
         self.runner = ModelRunner(
             self.model, kv_caches, config.block_size, grammars=self.grammars, layout=self.kv_layout
         )
@@ -242,39 +247,16 @@ class LLMEngine:
         deadline: float | None = None,
         queue_deadline: float | None = None,
     ) -> Request:
-        """Validate and tokenize a request. Thread-safe: touches no engine state.
-
-        ``deadline`` / ``queue_deadline`` are ``time.monotonic()`` instants (see ``Request``).
-        """
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            token_ids = [int(t) for t in prompt]
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt"
-                )
-        if not token_ids:
-            raise EmptyPrompt()
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
-        # A 400 naming the field if it does not compile; cached once compiled (the server
-        # compiled it at its door), so the engine thread never compiles.
-        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        request = Request(
+        """Validate and tokenize a request (``RequestFactory.make``). Thread-safe."""
+        return self.requests.make(
             request_id,
-            token_ids,
+            prompt,
             params,
-            eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             tenant=tenant,
             deadline=deadline,
             queue_deadline=queue_deadline,
         )
-        request.matcher = matcher
-        return request
 
     def add(self, request: Request) -> None:
         """Queue a request built by ``make_request``."""

@@ -9,12 +9,13 @@ walks a list the engine is changing.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvgate.engine.llm_engine import LLMEngine
@@ -31,6 +32,9 @@ class TenantSnapshot:
     generation_tokens: int = 0
     kv_block_seconds: float = 0.0
     finished: Mapping[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_thaw, (type(self), _plain(self)))
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,11 @@ class EngineSnapshot:
     recoveries: int
     tenants: Mapping[str, TenantSnapshot]
     build_info: Mapping[str, str]  # what runs each op (fixed at load)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled for the front end when the engine runs in a process of its own: the
+        # read-only mappings travel as dicts and are made read-only again on arrival.
+        return (_thaw, (type(self), _plain(self)))
 
     @property
     def kv_free(self) -> int:
@@ -114,3 +123,14 @@ class EngineSnapshot:
             tenants=MappingProxyType(tenants),
             build_info=MappingProxyType(dict(getattr(engine, "build_info", {}))),
         )
+
+
+def _plain(snapshot: TenantSnapshot | EngineSnapshot) -> dict[str, Any]:
+    return {
+        f.name: dict(v) if isinstance(v := getattr(snapshot, f.name), MappingProxyType) else v
+        for f in dataclasses.fields(snapshot)
+    }
+
+
+def _thaw(cls: type[Any], fields: dict[str, Any]) -> Any:
+    return cls(**{k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in fields.items()})

@@ -22,6 +22,8 @@ from typing import Any
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig, available_memory_bytes, parse_memory
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.core_client import EngineClient
+from kvgate.engine.front import EngineFront
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import InvalidConfig
@@ -129,6 +131,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --replicas, for trying rollbacks: errors=F (a fraction F of requests "
         "answered 500) and/or latency=S (S seconds before each), comma-separated",
+    )
+    c.add_argument(
+        "--engine-process",
+        default=os.environ.get("KVGATE_ENGINE_PROCESS", "off"),
+        choices=["on", "off"],
+        help="on: the engine (model, scheduler) runs in a process of its own, the HTTP front "
+        "end in this one, over ZeroMQ; a dead engine process is restarted. off: a thread of "
+        "this process (the default: see README, 'The engine in its own process'). "
+        "Default from $KVGATE_ENGINE_PROCESS",
     )
     c.add_argument(
         "--shutdown-timeout",
@@ -317,6 +328,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         ingest_priority=a.ingest_priority,
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,
+        engine_process=a.engine_process == "on",
         rates_unreachable=a.rates_unreachable,
         limits=RequestLimits(
             max_body_bytes=a.max_body_bytes,
@@ -358,10 +370,13 @@ def setup_logging(config: ServerConfig) -> None:
 
 
 def engine_loader(
-    engine_config: EngineConfig, max_queue_len: int
-) -> Callable[[Sequence[StatsListener], SchedulingPolicy | None], AsyncLLM]:
-    def load(listeners: Sequence[StatsListener], policy: SchedulingPolicy | None) -> AsyncLLM:
-        return AsyncLLM.from_config(
+    engine_config: EngineConfig, max_queue_len: int, *, own_process: bool = False
+) -> Callable[[Sequence[StatsListener], SchedulingPolicy | None], EngineFront]:
+    """``own_process``: the engine in a process of its own (``engine/core_client.py``)."""
+    front = EngineClient if own_process else AsyncLLM
+
+    def load(listeners: Sequence[StatsListener], policy: SchedulingPolicy | None) -> EngineFront:
+        return front.from_config(
             engine_config, max_queue_len=max_queue_len, listeners=listeners, policy=policy
         )
 
@@ -398,7 +413,10 @@ def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
         log.info("tracing on: OTLP/HTTP export as configured by the OTEL_* variables")
     app = build_app(
         config,
-        {m.name: engine_loader(m.engine, config.max_queue_len) for m in models},
+        {
+            m.name: engine_loader(m.engine, config.max_queue_len, own_process=config.engine_process)
+            for m in models
+        },
         on_load_error=on_load_error,
         on_engine_dead=on_engine_dead,
         tracer_provider=provider,

@@ -31,8 +31,8 @@ from kvgate.docs.retrieval import E5Embedder
 from kvgate.docs.service import DocsService, StorageLimits
 from kvgate.docs.store import DocStore
 from kvgate.docs.store import default_dir as docs_default_dir
+from kvgate.engine.front import EngineView
 from kvgate.engine.lineage import model_version
-from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
@@ -92,7 +92,7 @@ class ServerState:
         return self.models.default.serving
 
     @property
-    def engine(self) -> LLMEngine | None:
+    def engine(self) -> EngineView | None:
         return self.serving.engine.engine if self.serving is not None else None
 
     @property
@@ -119,15 +119,14 @@ def _load(
         slot.name,
         pool.num_blocks,
         pool.block_size,
-        policy,
-        engine.call_in_engine,
+        engine.update_shares if policy is not None else None,
         blocks_for=engine.engine.blocks_for,
     )
     door = Door(
         state.config.limits, state.governance, engine.engine.tokenizer, engine.engine.max_model_len
     )
     inner = engine.engine
-    version = model_version(slot.name, inner.source, inner.model_config, inner.config)
+    version = model_version(slot.name, str(inner.source), inner.model_config, inner.config)
     slot.serving = ServingContext(
         engine, slot.name, state.governance, door, state.usage, state.tracing, version
     )
@@ -344,14 +343,16 @@ def build_app(
             restarts = sum(snap.recoveries for snap in state.snapshots().values())
             return JSONResponse({"status": "ok", "engine_restarts": restarts, **per_model})
         loading = all(s in ("ready", "loading") for s in statuses.values())
-        status = "loading" if loading else "unhealthy"
+        restarting = all(s in ("ready", "restarting") for s in statuses.values())
+        status = "loading" if loading else "restarting" if restarting else "unhealthy"
         return JSONResponse({"status": status, **per_model}, status_code=503)
 
     @app.get("/health/live")
     def live() -> Response:
         """Liveness: the process serves, and no engine is past recovering (loading and
         draining are alive: only readiness, ``/health``, says 503 for those)."""
-        dead = [slot.name for slot in models if slot.status not in ("ready", "loading")]
+        alive = ("ready", "loading", "restarting")
+        dead = [slot.name for slot in models if slot.status not in alive]
         if dead:
             return JSONResponse({"status": "dead", "models": dead}, status_code=503)
         return JSONResponse({"status": "alive"})

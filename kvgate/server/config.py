@@ -66,6 +66,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     #: With replicas: ``open`` or ``closed`` when the shared rate state is unreachable.
     rates_unreachable: str = "open"
+    #: The engine in a process of its own, not a thread of the server's.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

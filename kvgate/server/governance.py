@@ -22,12 +22,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.engine.policy import TenantFairPolicy, TenantShare
+from kvgate.engine.policy import TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvgate.errors import InvalidConfig, KVGateError
 from kvgate.governance.admission import RateBuckets, TenantGate, TenantRates, Ticket
 from kvgate.governance.tenants import TenantsConfig, TenantSpec
+
+#: Hands a model's fair policy the tenants' shares (on the engine's side, between steps).
+ShareUpdate = Callable[[Mapping[str, TenantShare], TenantShare], None]
 
 log = logging.getLogger("kvgate.server")
 
@@ -60,8 +63,8 @@ class _Pool:
     """One model's engine, as governance sees it."""
 
     gate: TenantGate
-    policy: TenantFairPolicy | None
-    run_in_engine: Callable[[Callable[[], None]], None]
+    #: Hands the engine's fair policy new shares; None: the engine schedules FIFO.
+    update_shares: ShareUpdate | None
 
     @property
     def num_blocks(self) -> int:
@@ -93,14 +96,13 @@ class Governance:
         model: str,
         num_blocks: int,
         block_size: int,
-        policy: TenantFairPolicy | None,
-        run_in_engine: Callable[[Callable[[], None]], None],
+        update_shares: ShareUpdate | None,
         blocks_for: Callable[[int], int] | None = None,
     ) -> None:
         """``model``'s engine is ready: size quotas against its pool and hand its policy the
         shares. ``blocks_for``: see ``TenantGate``."""
         gate = TenantGate(num_blocks, block_size, blocks_for=blocks_for, rates=self.rates)
-        pool = _Pool(gate, policy, run_in_engine)
+        pool = _Pool(gate, update_shares)
         with self._lock:
             self._pools[model] = pool
             self._push_shares(pool, self.tenants)
@@ -215,12 +217,8 @@ class Governance:
         return out
 
     def _push_shares(self, pool: _Pool, tenants: TenantsConfig) -> None:
-        if pool.policy is None:
-            return
-        policy = pool.policy
-        shares = tenants.shares(pool.num_blocks)
-        default = TenantShare()
-        pool.run_in_engine(lambda: policy.update(shares, default))
+        if pool.update_shares is not None:
+            pool.update_shares(tenants.shares(pool.num_blocks), TenantShare())
 
 
 #: Per-model figures that add up over models in a tenant's row.

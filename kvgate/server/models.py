@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.front import EngineFront
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
@@ -27,7 +27,7 @@ from kvgate.server.serving import ServingContext
 
 #: Builds one model's engine (on the loading thread), given the listeners it must report to
 #: and its scheduling policy (None: FIFO).
-EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], AsyncLLM]
+EngineLoader = Callable[[Sequence[StatsListener], SchedulingPolicy | None], EngineFront]
 
 
 @dataclass
@@ -42,12 +42,15 @@ class ModelSlot:
 
     @property
     def status(self) -> str:
-        """``loading``, ``ready``, ``failed`` (it did not load) or ``dead`` (its engine stopped)."""
+        """``loading``, ``ready``, ``failed`` (it did not load), ``restarting`` (its engine
+        process died and a fresh one is loading) or ``dead`` (its engine stopped)."""
         if self.load_error is not None:
             return "failed"
         if self.serving is None:
             return "loading"
-        return "ready" if self.serving.engine.is_running else "dead"
+        if self.serving.engine.is_running:
+            return "ready"
+        return "restarting" if self.serving.engine.is_restarting else "dead"
 
     def check(self) -> ServingContext:
         """What serves this model; else the 503 that says why not."""
@@ -55,6 +58,10 @@ class ModelSlot:
             raise EngineDead(f"the model {self.name!r} failed to load: {self.load_error}")
         if self.serving is None:
             raise ModelLoading(f"the model {self.name!r} is still loading; retry shortly")
+        if self.serving.engine.is_restarting:
+            raise ModelLoading(
+                f"the engine of {self.name!r} is restarting after a failure; retry shortly"
+            )
         if not self.serving.engine.is_running:
             raise EngineDead(f"the engine of {self.name!r} has stopped; restart the server")
         return self.serving

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 
-from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.front import EngineFront
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
 from kvgate.errors import KVGateError, QueueTimeout
@@ -22,7 +22,7 @@ from kvgate.server.tracker import ChoiceResult, Tracker, profile_headers
 
 
 async def run_merged(
-    engine: AsyncLLM, requests: Sequence[Request]
+    engine: EngineFront, requests: Sequence[Request]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Deltas of all ``requests`` as (choice index, delta), each choice's in order.
 

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import kvgate
-from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.front import EngineFront
 from kvgate.engine.lineage import ModelVersion
 from kvgate.governance.usage import UsageLedger
 from kvgate.server.door import Door
@@ -20,7 +20,7 @@ class ServingContext:
     """One served model, as a request handler needs it; a server of several models has one
     per model (``server/models.py`` picks it by the request's ``model``)."""
 
-    engine: AsyncLLM
+    engine: EngineFront
     served_model_name: str
     governance: Governance
     door: Door

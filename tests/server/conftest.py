@@ -3,6 +3,7 @@ exactly reproducible), and the pieces tests need to talk to it."""
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import threading
@@ -62,11 +63,14 @@ def start_server(
     config = ServerConfig(
         **{**config.__dict__, "port": port, "usage_db": usage_db, "data_dir": data_dir}
     )
-    if isinstance(engine_config, Mapping):
-        loaders = {n: engine_loader(c, config.max_queue_len) for n, c in engine_config.items()}
-        app = build_app(config, loaders)
-    else:
-        app = build_app(config, engine_loader(engine_config, config.max_queue_len))
+    # KVGATE_ENGINE_PROCESS=on: every live server's engine in a process of its own (CI runs
+    # the server tests both ways).
+    own = config.engine_process or os.environ.get("KVGATE_ENGINE_PROCESS") == "on"
+    configs = engine_config if isinstance(engine_config, Mapping) else {"": engine_config}
+    loaders = {
+        n: engine_loader(c, config.max_queue_len, own_process=own) for n, c in configs.items()
+    }
+    app = build_app(config, loaders if isinstance(engine_config, Mapping) else loaders[""])
     # The production server's settings (header timeout, connection limit).
     server = uvicorn.Server(
         uvicorn_config(app, "127.0.0.1", port, config.limits, log_level="warning")
@@ -130,14 +134,14 @@ def live_server(tiny_llama_dir: Path, api_keys_file: Path) -> Iterator[LiveServe
 
 
 def wait_idle(live: LiveServer, timeout: float = 5.0) -> None:
-    engine = live.state.engine
-    assert engine is not None
+    """Until every engine's latest snapshot shows nothing running, waiting or holding KV."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not engine.scheduler.requests and engine.kv_cache.pool.num_used_blocks == 0:
+        snaps = live.state.snapshots().values()
+        if all(s.running == s.waiting == s.kv_used == 0 for s in snaps):
             return
         time.sleep(0.01)
-    raise AssertionError(f"engine still busy: {engine.scheduler.requests}")
+    raise AssertionError(f"engine still busy: {live.state.snapshots()}")
 
 
 def scrape_metrics(live: LiveServer, key: str = METRICS_KEY) -> dict[str, float]:

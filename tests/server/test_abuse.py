@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvgate.server.limits import RequestLimits
-from tests.server.conftest import LiveServer, start_tenants_server
+from tests.server.conftest import MODEL, LiveServer, start_tenants_server
 
 TENANTS = """
 [tenants.victim]
@@ -64,9 +64,8 @@ def _stalled_reader(live: LiveServer) -> socket.socket:
 
 
 def _engine_requests(live: LiveServer) -> int:
-    engine = live.state.engine
-    assert engine is not None
-    return len(engine.scheduler.requests)
+    snap = live.state.snapshots()[MODEL]
+    return snap.running + snap.waiting
 
 
 def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(server: LiveServer) -> None:
@@ -81,8 +80,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(server: Liv
         while _engine_requests(server):
             assert time.monotonic() < deadline, "the stalled stream was never aborted"
             time.sleep(0.05)
-        engine = server.state.engine
-        assert engine is not None and engine.kv_cache.pool.num_used_blocks == 0
+        assert server.state.snapshots()[MODEL].kv_used == 0
     finally:
         sock.close()
 

@@ -147,19 +147,7 @@ def test_both_engines_run_at_once(two_models: LiveServer) -> None:
     for t in threads:
         t.join(60)
     assert results == {"llama": 40, "qwen": 40}
-    for slot in two_models.state.models:
-        assert slot.serving is not None
-        engine = slot.serving.engine.engine
-        wait_idle_engine(engine)
-
-
-def wait_idle_engine(engine: Any) -> None:
-    import time
-
-    deadline = time.monotonic() + 5
-    while engine.scheduler.requests or engine.kv_cache.pool.num_used_blocks:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_idle(two_models)  # every model's engine
 
 
 def test_models_lists_what_the_tenant_may_use(two_models: LiveServer) -> None:
@@ -210,7 +198,7 @@ def test_a_rate_limit_holds_across_models(two_models: LiveServer) -> None:
 def test_metrics_and_accounting_are_per_model(two_models: LiveServer) -> None:
     for slot in two_models.state.models:
         assert slot.serving is not None
-        wait_idle_engine(slot.serving.engine.engine)
+        wait_idle(two_models)
     before = scrape_metrics(two_models, "sk-admin")
     assert _complete(two_models, "sk-qwen", "qwen", max_tokens=7).status_code == 200
     wait_idle(two_models)

@@ -205,7 +205,13 @@ def test_kill_9_under_load_leaves_one_record_per_request_that_received_tokens(
         again.wait(30)
     ids = [r["request_id"] for r in records]
     assert len(ids) == len(set(ids))  # one record each
-    assert set(ids) == received
+    assert received <= set(ids)  # whatever reached the client is recorded
+    # A record whose response the client never read: it was on the wire when the kill came
+    # (the ledger commits "delivered" just before the bytes are sent, so that a kill can
+    # over-count by what was being sent, never lose what was received; a CI run saw one).
+    # Requests that never got that far are dropped: without that, most of the 16 would be here.
+    late = set(ids) - received
+    assert len(late) <= 2, late
     statuses = {r["request_id"]: r["status"] for r in records}
     assert any(s == "reconciled" for s in statuses.values())  # the streams cut short
     with sqlite3.connect(db) as con:  # nothing left open

@@ -1,0 +1,146 @@
+"""The caller side of an engine: one asyncio queue per request, fed from another thread.
+
+Both fronts of the engine use it: ``AsyncLLM`` (the engine loop on a thread of this process)
+and ``EngineClient`` (the engine in a process of its own). Whoever runs the engine calls
+``deliver_all`` with each step's outputs; each request's handler reads its own stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.request import Request
+from kvgate.errors import DuplicateRequestId, EngineDead
+
+
+class _Stream:
+    """Where one request's outputs go. An abandoned stream (the caller left early) stays
+    registered until the engine confirms the abort, so its id is not reused too soon."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.abandoned = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        # A closed event loop raises RuntimeError: its caller is gone, nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(batch: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """On the streams' event loop: hand each item to its stream, in order."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
+class Streams:
+    """Open request streams by request id; thread-safe."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self.dead: BaseException | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose caller is still listening (queued or running)."""
+        with self._lock:
+            return sum(1 for s in self._streams.values() if not s.abandoned)
+
+    async def run(
+        self,
+        request: Request,
+        submit: Callable[[Request], None],
+        abort: Callable[[str], None],
+    ) -> AsyncIterator[RequestOutput]:
+        """Register ``request``'s stream, ``submit`` it, and yield its outputs until the last;
+        leaving early (a client disconnect cancels the generator) calls ``abort``."""
+        rid = request.request_id
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:  # the same lock under which a dying engine fails every stream
+            if self.dead is not None:
+                raise EngineDead(f"engine loop stopped: {self.dead}")
+            if rid in self._streams:
+                raise DuplicateRequestId(rid)
+            self._streams[rid] = stream
+        finished = False
+        try:
+            submit(request)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                if finished or self.dead is not None:
+                    self._streams.pop(rid, None)
+                else:
+                    stream.abandoned = True  # dropped when the engine confirms the abort
+            if not finished and self.dead is None:
+                abort(rid)
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._listener(request_id, item)
+        if stream is not None:
+            stream.put(item)
+
+    def deliver_all(self, outputs: Sequence[RequestOutput]) -> None:
+        """A step's outputs to their streams with one wake-up of each event loop, not one
+        per output: each costs a self-pipe write, and the woken loop takes the GIL while
+        the engine thread still needs it (with 32 streams, 32 hand-overs a step)."""
+        if not outputs:
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._listener(out.request_id, out)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            # A closed event loop raises RuntimeError: its callers are gone.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    def gone(self, request_ids: Sequence[str]) -> None:
+        """These requests were over before their abort arrived: no final output will come,
+        so their abandoned streams are dropped now."""
+        with self._lock:
+            for rid in request_ids:
+                stream = self._streams.get(rid)
+                if stream is not None and stream.abandoned:
+                    del self._streams[rid]
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine stopped: every open stream ends with ``EngineDead``, and new ones are
+        refused until ``revive``."""
+        with self._lock:
+            self.dead = exc
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
+
+    def revive(self) -> None:
+        """A fresh engine took over: streams may open again."""
+        with self._lock:
+            self.dead = None
+
+    def _listener(self, request_id: str, item: RequestOutput | BaseException) -> _Stream | None:
+        """The stream that listens for ``request_id``, if any (under ``_lock``)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.abandoned:
+            # Nobody listens; once the request has ended its id may be used again.
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+            return None
+        return stream
