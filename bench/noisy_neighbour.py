@@ -191,7 +191,7 @@ def slowest(results: list[Result], logged: dict[str, dict[str, Any]], k: int = 3
     out = []
     for i in order:
         line = logged.get(f"quiet-{i}", {})
-        keys = ("prompt_tokens", "queue_s", "prefill_s", "ttft_s")
+        keys = ("prompt_tokens", "door_s", "queue_s", "prefill_s", "ttft_s", "first_byte_s")
         timeline = {key: line.get(key) for key in keys}
         out.append({"request": i, "ttft": round(results[i].ttft, 4), **timeline})
     return out
@@ -201,12 +201,14 @@ def delivery_gap(results: list[Result], logged: dict[str, dict[str, Any]]) -> di
     """The client's time to first token less the server's (its access log: arrival to the
     first token handed to the connection), p50 and p99 over the quiet tenant's requests:
     the time the first token spent between the engine and the client's socket."""
-    gaps, outside = [], []
+    gaps, outside, wire = [], [], []
     for i, r in enumerate(results):
         line = logged.get(f"quiet-{i}", {})
         if not r.ok or line.get("ttft_s") is None:
             continue
         gaps.append(r.ttft - line["ttft_s"])
+        if line.get("first_byte_s") is not None:  # sent by the server, not yet read
+            wire.append(r.ttft - line["first_byte_s"])
         if line.get("queue_s") is not None and line.get("prefill_s") is not None:
             # Outside the engine's own timeline (queued, then prefilled) altogether.
             outside.append(r.ttft - line["queue_s"] - line["prefill_s"])
@@ -215,6 +217,8 @@ def delivery_gap(results: list[Result], logged: dict[str, dict[str, Any]]) -> di
     out = {"gap_p50": pct(gaps, 50), "gap_p99": pct(gaps, 99), "gap_n": float(len(gaps))}
     if outside:
         out.update(outside_engine_p50=pct(outside, 50), outside_engine_p99=pct(outside, 99))
+    if wire:
+        out.update(after_send_p50=pct(wire, 50), after_send_p99=pct(wire, 99))
     return out
 
 
@@ -341,6 +345,11 @@ def print_window(title: str, r: dict[str, Any]) -> None:
                 f"; outside the engine's timeline p50 {r['outside_engine_p50'] * 1000:.0f} ms "
                 f"p99 {r['outside_engine_p99'] * 1000:.0f} ms"
             )
+        if "after_send_p99" in r:
+            line += (
+                f"; sent to read by the client p50 {r['after_send_p50'] * 1000:.0f} ms "
+                f"p99 {r['after_send_p99'] * 1000:.0f} ms"
+            )
     if "flood_tok_s" in r:
         line += f" | flooder {r['flood_tok_s']:6.1f} tok/s"
     print(line, flush=True)
@@ -364,8 +373,10 @@ def print_window(title: str, r: dict[str, Any]) -> None:
             return "?" if v is None else f"{v * 1000:.0f}"
 
         slow = "; ".join(
-            f"#{x['request']} {ms(x['ttft'])} ms ({x['prompt_tokens']} tokens; server: queued "
-            f"{ms(x['queue_s'])}, prefill {ms(x['prefill_s'])}, first token {ms(x['ttft_s'])})"
+            f"#{x['request']} {ms(x['ttft'])} ms ({x['prompt_tokens']} tokens; server: door "
+            f"{ms(x.get('door_s'))}, then queued {ms(x['queue_s'])}, prefill "
+            f"{ms(x['prefill_s'])}, first token {ms(x['ttft_s'])}; first byte sent at "
+            f"{ms(x.get('first_byte_s'))} after arrival)"
             for x in r["slowest"]
         )
         print(f"  {'':<24} slowest first tokens: {slow}", flush=True)

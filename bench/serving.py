@@ -373,6 +373,16 @@ def main() -> None:
                 f"{'met' if ratio >= 2 else 'NOT met'}), TTFT p99 lower "
                 f"({'met' if k['ttft_p99'] < p['ttft_p99'] else 'NOT met'})"
             )
+    for k_server in ours[1:]:  # each kvgate configuration against the first one
+        kn, base = k_server.name, ours[0].name
+        print(f"\nratios {kn} / {base} (throughput: higher is better; TTFT: lower is better)")
+        for title, by in report.items():
+            k, p = by[kn], by[base]
+            print(
+                f"  {title:<18} output tok/s {k['output_tok_s'] / p['output_tok_s']:5.2f}x | "
+                f"TTFT p99 {k['ttft_p99'] / p['ttft_p99']:5.2f}x | "
+                f"ITL p99 {k['itl_p99'] / p['itl_p99']:5.2f}x"
+            )
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
 

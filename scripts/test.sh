@@ -6,3 +6,8 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check kvgate tests bench
 .venv/bin/mypy
 .venv/bin/python -m pytest "$@"
+if [ "$#" -eq 0 ]; then
+  # The server suite again, with every server's engine in a process of its own
+  # (--engine-process on): everything the server does must work through the split too.
+  KVGATE_ENGINE_PROCESS=on .venv/bin/python -m pytest tests/server -p no:cacheprovider
+fi

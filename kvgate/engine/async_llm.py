@@ -75,6 +75,8 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._loop.is_alive and self._streams.dead is None
 
+    num_restarts = 0  # never restarted in this process
+
     @property
     def is_restarting(self) -> bool:
         return False  # a dead engine thread is not restarted: the server exits

@@ -125,6 +125,8 @@ class EngineClient:
         self._streams = Streams()
         self._ids = itertools.count()
         self._restarts: list[float] = []
+        #: Engine processes started again after one died.
+        self.num_restarts = 0
         self._shares: Shares | None = None
         self._up = False  # an engine process is loaded and taking requests
         self._closing = False
@@ -343,6 +345,7 @@ class EngineClient:
             self._give_up(exc)
             return
         self._restarts.append(now)
+        self.num_restarts += 1
         log.error("%s; starting a fresh one (in-flight requests ended with an error)", exc)
         self._process = self._spawn()
 

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -43,6 +43,13 @@ class AccessRecord:
     decode_s: float | None = None
     finish_reason: str | None = None
     error_code: str | None = None
+    #: Arrival at the server to admission (key, body, templating, tokenizing, the gates),
+    #: and arrival to the first bytes of the body handed to the connection: with ``ttft_s``
+    #: (admission to the first token) they say where a slow first token spent its time.
+    door_s: float | None = None
+    first_byte_s: float | None = None
+    #: When the request arrived (``time.monotonic()``); not logged.
+    received: float = field(default_factory=time.monotonic, repr=False)
 
 
 def access_record(request: Request) -> AccessRecord:
@@ -80,8 +87,10 @@ class AccessLogMiddleware:
                 if record.model_version is not None:
                     headers.append((b"x-kvgate-model-version", record.model_version.encode()))
                 message = {**message, "headers": headers}
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                done = True
+            elif message["type"] == "http.response.body":
+                if record.first_byte_s is None and message.get("body"):
+                    record.first_byte_s = round(time.monotonic() - record.received, 4)
+                done = not message.get("more_body")
             await send(message)
 
         try:
@@ -93,7 +102,7 @@ class AccessLogMiddleware:
                 "path": scope.get("path"),
                 "status": status,
                 "duration_s": round(time.perf_counter() - start, 4),
-                **{k: v for k, v in asdict(record).items() if v is not None},
+                **{k: v for k, v in asdict(record).items() if v is not None and k != "received"},
             }
             if not done:
                 line["disconnected"] = True

@@ -340,7 +340,10 @@ def build_app(
         statuses = {slot.name: slot.status for slot in models}
         per_model = {"models": statuses} if len(statuses) > 1 else {}
         if models.all_ready:
-            restarts = sum(snap.recoveries for snap in state.snapshots().values())
+            # Steps recovered from inside an engine, and engine processes started again.
+            restarts = sum(snap.recoveries for snap in state.snapshots().values()) + sum(
+                slot.serving.engine.num_restarts for slot in models if slot.serving is not None
+            )
             return JSONResponse({"status": "ok", "engine_restarts": restarts, **per_model})
         loading = all(s in ("ready", "loading") for s in statuses.values())
         restarting = all(s in ("ready", "restarting") for s in statuses.values())

@@ -70,6 +70,7 @@ class Tracker:
         self.response_id = response_id
         self.n = n
         self.start = time.monotonic()
+        record.door_s = round(self.start - record.received, 4)
         self.results = [ChoiceResult() for _ in requests]
         self.error: str | None = None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from kvgate.governance.usage import Counts, UsageLedger
 
 
@@ -96,4 +98,43 @@ def test_query_filters_by_tenant_and_time(tmp_path: Path) -> None:
     records = ledger.query()["records"]
     assert ledger.query(since=records[1]["admitted_at"])["totals"]["requests"] == 2
     assert ledger.query(until=records[0]["admitted_at"])["totals"]["requests"] == 0
+    ledger.close()
+
+
+def test_a_flood_is_written_in_a_few_statements_not_one_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each statement hands the GIL over and waits for it back (up to 5 ms beside a busy
+    thread): a batch must cost a few statements however many requests it holds."""
+    writes: list[str] = []
+    connect = UsageLedger._connect
+
+    def traced(self: UsageLedger) -> sqlite3.Connection:
+        con = connect(self)
+        con.set_trace_callback(
+            lambda sql: (
+                writes.append(sql) if sql.split()[0] in ("INSERT", "UPDATE", "DELETE") else None
+            )
+        )
+        return con
+
+    monkeypatch.setattr(UsageLedger, "_connect", traced)
+    ledger = UsageLedger(tmp_path / "u.db", flush_s=0.05)
+    rows = [ledger.admit(f"r{i}", "flood", "m", "m@1", prompt_tokens=4) for i in range(300)]
+    for i, row in enumerate(rows):
+        if i % 3:  # two in three reached their client
+            ledger.delivered(row, Counts(4, 1))
+        ledger.progress(row, Counts(4, 2))
+    last = None
+    for i, row in enumerate(rows):
+        last = ledger.settle(row, Counts(4, 5 + i % 7), "length")
+    assert last is not None
+    last.result(10)
+    records = ledger.query()["records"]
+    assert len(records) == 200 and {r["status"] for r in records} == {"settled"}
+    assert sorted(int(r["request_id"][1:]) % 3 for r in records)[0] == 1  # undelivered: gone
+    assert ledger.query()["totals"]["completion_tokens"] == sum(
+        5 + i % 7 for i in range(300) if i % 3
+    )
+    assert len(writes) < 40, len(writes)  # 300 requests, 4 writes each: 1,200 one by one
     ledger.close()

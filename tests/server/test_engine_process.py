@@ -82,6 +82,7 @@ def test_a_killed_engine_process_ends_the_stream_with_an_error_and_comes_back(
         assert time.monotonic() < deadline, "the engine never came back"
         time.sleep(0.05)
     assert 503 in seen, "the restart was never visible to /health"
+    assert health.json()["engine_restarts"] == 1
     assert httpx.get(f"{split.base_url}/health/live").status_code == 200
     assert engine.pid != first
     r = httpx.post(f"{split.api_url}/completions", json={"prompt": "hi", "max_tokens": 4})
