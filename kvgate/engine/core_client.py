@@ -276,8 +276,10 @@ class EngineClient:
         """The receiving thread: every message from the engine, and its death."""
         while not (self._closing and self._process.poll() is not None):
             if self._results.poll(int(_POLL_S * 1000)):
-                message = pickle.loads(self._results.recv())
-                self._handle(message)
+                try:
+                    self._handle(pickle.loads(self._results.recv()))
+                except Exception:  # one bad message (or listener) must not stop the reading
+                    log.exception("handling a message from the engine process failed")
                 continue
             if self._closing or self._given_up:
                 if self._process.poll() is not None:

@@ -18,6 +18,7 @@ holding the memory for longer than that.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -173,6 +174,11 @@ def run_core(
         context.term()
         return
     sink.engine = engine
+    # As the server does after loading (see server/app.py): everything alive now lives as
+    # long as the process, so keep it out of the collector's full passes, each of which
+    # walks the whole heap with the GIL held.
+    gc.collect()
+    gc.freeze()
     loop = EngineLoop(engine, sink)
     loop.start()
     sink.send(("ready", EngineInfo.of(engine), engine.snapshot))
