@@ -153,12 +153,11 @@ KV_FULL = 0.95
 
 
 def by_load(loads: Sequence[ReplicaLoad]) -> list[list[Hashable]]:
-    """The replicas in ranks of equal load, least loaded first. Ray Serve picks within a
-    rank by its own queue-length cache, which lags a burst (a CI run sent 7 of 8
-    concurrent requests to one replica when both sat in one rank); ranking by the
-    router's own in-flight count spreads the burst as it is routed."""
-    levels = sorted({r.requests for r in loads})
-    return [[r.replica for r in loads if r.requests == level] for level in levels]
+    """The replicas least loaded first, one per rank (equal loads in the order given: the
+    router rotates it). Not equal loads in one rank: Ray Serve picks within a rank by its
+    own queue-length cache, which lags a burst (a CI run sent 7 of 8 concurrent requests to
+    one replica when both sat in one rank)."""
+    return [[r.replica] for r in sorted(loads, key=lambda r: r.requests)]
 
 
 def rank(

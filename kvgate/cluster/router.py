@@ -86,11 +86,11 @@ class PrefixAffinityRouter(RequestRouter):
         ]
         if not candidates:
             return []  # none of that version yet: the router backs off and asks again
-        # Ray takes the first of equal queue lengths in a rank: take turns at being first, so
-        # requests that find the replicas equally loaded alternate between them.
+        # Replicas equally loaded keep this order in the ranks: it turns with each request
+        # routed, so that requests finding them equally loaded alternate between them.
         candidates.sort(key=lambda r: str(r.replica_id))
-        self.turn = (self.turn + 1) % len(candidates)
-        candidates = candidates[self.turn :] + candidates[: self.turn]
+        turn = self.turn % len(candidates)
+        candidates = candidates[turn:] + candidates[:turn]
         by_id: dict[Hashable, RunningReplica] = {r.replica_id: r for r in candidates}
         keys = hint.keys if self.policy == "affinity" else ()
         ranks = rank(keys, [self._load(r) for r in candidates], self.table, self.imbalance)
@@ -100,6 +100,7 @@ class PrefixAffinityRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
+        self.turn += 1
         self.request_replica[pending_request.metadata.internal_request_id] = replica_id
         keys = hint_of(pending_request).keys
         if keys:

@@ -74,32 +74,13 @@ class RemoteEngine:
             info.eos_token_ids,
             matchers=False,
         )
+        #: Validate and tokenize a request (``RequestFactory.make``), on this side.
+        self.make_request = self.requests.make
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks one request of ``num_tokens`` tokens holds at most (every group's)."""
         return self.info.kv_layout.max_blocks(
             num_tokens, self.config.block_size, self.config.max_num_batched_tokens
-        )
-
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        cache_salt: bytes | None = None,
-        tenant: str = "default",
-        deadline: float | None = None,
-        queue_deadline: float | None = None,
-    ) -> Request:
-        return self.requests.make(
-            request_id,
-            prompt,
-            params,
-            cache_salt=cache_salt,
-            tenant=tenant,
-            deadline=deadline,
-            queue_deadline=queue_deadline,
         )
 
 

@@ -64,12 +64,13 @@ def test_rank_follows_the_cache_while_load_allows() -> None:
         ["b"],
     ]  # too far behind: load decides
     full = [ReplicaLoad("a", 0), ReplicaLoad("b", 0, kv_usage=0.99)]
-    assert rank(keys, full, table) == [["a", "b"]]  # equal load: one rank
+    assert rank(keys, full, table) == [["a"], ["b"]]  # equal load: in the order given
     assert rank(block_keys("z" * 2000), even, table) == [["a"], ["b"]]  # nothing cached
     assert rank(keys, [], table) == []
     three = [ReplicaLoad("a", 2), ReplicaLoad("b", 1), ReplicaLoad("c", 2)]
-    assert rank(keys, three, table) == [["b"], ["a", "c"]]  # the holder, then the rest by load
-    assert rank((), three, table) == [["b"], ["a", "c"]]
+    assert rank(keys, three, table) == [["b"], ["a"], ["c"]]  # the holder, the rest by load
+    assert rank((), three, table) == [["b"], ["a"], ["c"]]
+    assert rank((), three[::-1], table) == [["b"], ["c"], ["a"]]
 
 
 def test_the_deepest_holder_wins_and_a_gone_replica_is_forgotten() -> None:
