@@ -11,8 +11,7 @@ process of its own.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
@@ -22,23 +21,10 @@ from kvgate.engine.policy import SchedulingPolicy, TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
-from kvgate.engine.streams import Streams
-from kvgate.errors import Overloaded
-from kvgate.sampling_params import SamplingParams
+from kvgate.engine.streams import StreamingFront
 
 
-def check_capacity(capacity: int | None, in_flight: int, num_new: int, max_num_seqs: int) -> None:
-    """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue."""
-    if capacity is None or in_flight + num_new <= capacity:
-        return
-    raise Overloaded(
-        f"server is at capacity: {in_flight} requests in flight, limit {capacity} "
-        f"({max_num_seqs} running + {capacity - max_num_seqs} queued); retry later",
-        retry_after=1,
-    )
-
-
-class AsyncLLM:
+class AsyncLLM(StreamingFront):
     """``max_queue_len``: requests that may wait beyond the ``max_num_seqs`` running ones;
     past that ``generate`` raises ``Overloaded`` at once instead of queueing without bound.
 
@@ -50,11 +36,9 @@ class AsyncLLM:
     RECOVERY_WINDOW_S = EngineLoop.RECOVERY_WINDOW_S
 
     def __init__(self, engine: LLMEngine, *, max_queue_len: int | None = None) -> None:
-        self.engine = engine
-        self.max_queue_len = max_queue_len
+        super().__init__(max_queue_len)
+        self.engine: LLMEngine = engine
         self.on_dead: Callable[[BaseException], None] | None = None
-        self._streams = Streams()
-        self._ids = itertools.count()
         self._loop = EngineLoop(engine, self)
         self._loop.start()
 
@@ -80,51 +64,6 @@ class AsyncLLM:
     @property
     def is_restarting(self) -> bool:
         return False  # a dead engine thread is not restarted: the server exits
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests whose caller is still listening (queued or running)."""
-        return self._streams.num_in_flight
-
-    @property
-    def capacity(self) -> int | None:
-        """Requests that may be in flight (running + queued); None: no limit."""
-        if self.max_queue_len is None:
-            return None
-        return self.engine.config.max_num_seqs + self.max_queue_len
-
-    def check_capacity(self, num_new: int = 1, in_flight: int | None = None) -> None:
-        """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue.
-
-        ``in_flight``: the caller's own count when it admits requests before they stream
-        (a server counting at admission sees a burst that has not reached the engine yet).
-        """
-        count = self.num_in_flight if in_flight is None else in_flight
-        check_capacity(self.capacity, count, num_new, self.engine.config.max_num_seqs)
-
-    # ------------------------------------------------------------------ caller side
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        *,
-        cache_salt: bytes | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the deltas of one request. Raises typed errors for invalid input at once."""
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
-        async for out in self.stream(request):
-            yield out
-
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Stream a request built (and so validated) by ``engine.make_request``.
-
-        Callers that must refuse bad input before they commit to a response (an HTTP stream
-        whose headers are not sent yet) build the request first, then stream it.
-        """
-        async for out in self._streams.run(request, self._submit, self.abort):
-            yield out
 
     def _submit(self, request: Request) -> None:
         self._loop.put(Add(request))

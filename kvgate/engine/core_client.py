@@ -16,7 +16,6 @@ trying: ``on_dead`` is called (the server exits, for its own supervisor to act).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import pickle
 import shutil
@@ -25,24 +24,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
 
 from kvgate.config import EngineConfig
-from kvgate.engine.async_llm import check_capacity
 from kvgate.engine.core_proc import EngineInfo
 from kvgate.engine.loop import Abort, Add, Command, Shares
-from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy, TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.request_factory import RequestFactory
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
-from kvgate.engine.streams import Streams
+from kvgate.engine.streams import StreamingFront
 from kvgate.errors import EngineDead
-from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
 
 log = logging.getLogger("kvgate.engine")
@@ -84,7 +80,7 @@ class RemoteEngine:
         )
 
 
-class EngineClient:
+class EngineClient(StreamingFront):
     MAX_RESTARTS = 5
     RESTART_WINDOW_S = 300.0
 
@@ -98,13 +94,11 @@ class EngineClient:
     ) -> None:
         """Starts the engine process and returns once its model is loaded; raises what the
         load raised."""
-        self.max_queue_len = max_queue_len
+        super().__init__(max_queue_len)
         self.on_dead: Callable[[BaseException], None] | None = None
         self.listeners = list(listeners)
         self._config = config
         self._policy = policy
-        self._streams = Streams()
-        self._ids = itertools.count()
         self._restarts: list[float] = []
         #: Engine processes started again after one died.
         self.num_restarts = 0
@@ -138,7 +132,7 @@ class EngineClient:
             self._receiver.join(5)
             self._close_sockets()
             raise self._failure
-        self.engine = RemoteEngine(self._info)
+        self.engine: RemoteEngine = RemoteEngine(self._info)
 
     @classmethod
     def from_config(
@@ -164,37 +158,6 @@ class EngineClient:
     @property
     def is_restarting(self) -> bool:
         return not self._up and not self._given_up and not self._closing
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._streams.num_in_flight
-
-    @property
-    def capacity(self) -> int | None:
-        if self.max_queue_len is None:
-            return None
-        return self._config.max_num_seqs + self.max_queue_len
-
-    def check_capacity(self, num_new: int = 1, in_flight: int | None = None) -> None:
-        count = self.num_in_flight if in_flight is None else in_flight
-        check_capacity(self.capacity, count, num_new, self._config.max_num_seqs)
-
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        *,
-        cache_salt: bytes | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
-        async for out in self.stream(request):
-            yield out
-
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        async for out in self._streams.run(request, self._submit, self.abort):
-            yield out
 
     def snapshot(self) -> EngineSnapshot:
         """The snapshot that came with the engine's latest message."""

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
-from kvgate.errors import DuplicateRequestId, EngineDead
+from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded
+from kvgate.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgate.engine.front import EngineView
 
 
 class _Stream:
@@ -144,3 +150,74 @@ class Streams:
                 del self._streams[request_id]
             return None
         return stream
+
+
+class StreamingFront:
+    """The caller side both fronts share (``AsyncLLM``, ``EngineClient``): requests made
+    by ``engine``, streamed through ``Streams``, handed on by ``_submit``."""
+
+    engine: EngineView
+    max_queue_len: int | None
+
+    def __init__(self, max_queue_len: int | None) -> None:
+        self.max_queue_len = max_queue_len
+        self._streams = Streams()
+        self._ids = itertools.count()
+
+    def _submit(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str | Sequence[str]) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose caller is still listening (queued or running)."""
+        return self._streams.num_in_flight
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests that may be in flight (running + queued); None: no limit."""
+        if self.max_queue_len is None:
+            return None
+        return self.engine.config.max_num_seqs + self.max_queue_len
+
+    def check_capacity(self, num_new: int = 1, in_flight: int | None = None) -> None:
+        """Raise ``Overloaded`` if ``num_new`` more requests would overflow the queue.
+
+        ``in_flight``: the caller's own count when it admits requests before they stream
+        (a server counting at admission sees a burst that has not reached the engine yet).
+        """
+        capacity = self.capacity
+        count = self.num_in_flight if in_flight is None else in_flight
+        if capacity is None or count + num_new <= capacity:
+            return
+        running = self.engine.config.max_num_seqs
+        raise Overloaded(
+            f"server is at capacity: {count} requests in flight, limit {capacity} "
+            f"({running} running + {capacity - running} queued); retry later",
+            retry_after=1,
+        )
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        cache_salt: bytes | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the deltas of one request. Raises typed errors for invalid input at once."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = self.engine.make_request(rid, prompt, params, cache_salt=cache_salt)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a request built (and so validated) by ``engine.make_request``.
+
+        Callers that must refuse bad input before they commit to a response (an HTTP stream
+        whose headers are not sent yet) build the request first, then stream it.
+        """
+        async for out in self._streams.run(request, self._submit, self.abort):
+            yield out
