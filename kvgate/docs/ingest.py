@@ -32,7 +32,11 @@ NICE = {"critical": 0, "standard": 10, "batch": 19}
 #: ``auto`` chunking: the cap (embedder tokens) and the overlap where a unit is longer.
 AUTO_MAX_TOKENS = 512
 AUTO_OVERLAP_TOKENS = 64
-EMBED_BATCH = 16
+#: Chunks per embedder call: sorted by length within it, so the padding of a batch is small.
+EMBED_BATCH = 64
+#: PyTorch threads of the ingestion process: at its OS priority they take only what serving
+#: leaves idle.
+THREADS = 2
 
 Job = tuple[str, str, str]  # (vector store id, file id, job id: StoreFileRecord.job)
 
@@ -101,7 +105,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
         vectors = embedder.passages(texts)
         for j, (chunk, t) in enumerate(zip(part, texts, strict=True)):
             stored.append(StoredChunk(store_id, file_id, i + j, chunk, words(t), vectors[j]))
-        if (i // EMBED_BATCH) % 20 == 19:
+        if (i // EMBED_BATCH) % 5 == 4:
             log.info(
                 "ingest %s %s: %d/%d chunks", store_id, file.filename, len(stored), len(chunks)
             )
@@ -129,12 +133,22 @@ def _child(
         os.nice(nice)
     except OSError:
         log.warning("ingestion: could not lower its priority to nice %d", nice)
+    import torch
+
+    torch.set_num_threads(THREADS)
     store = DocStore(*where)
     model = embedder()
+    log.info("ingestion: embedder %s, %d threads, nice %d", described(model), THREADS, nice)
     while (job := jobs.get()) is not None:
         ingest(store, model, *job)
         done.put(job)
     store.close()
+
+
+def described(embedder: Embedder) -> str:
+    precision = getattr(embedder, "precision", type(embedder).__name__)
+    why = getattr(embedder, "why", "")
+    return f"{precision} ({why})" if why else str(precision)
 
 
 class IngestProcess:

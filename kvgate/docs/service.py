@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvgate.docs.filters import matches
-from kvgate.docs.ingest import IngestProcess
+from kvgate.docs.ingest import IngestProcess, described
 from kvgate.docs.retrieval import Embedder, HybridIndex, words
 from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
 from kvgate.docs.text import SUFFIXES, suffix_of
@@ -167,6 +167,7 @@ class DocsService:
         with self._embedder_lock:
             if self._embedder is None:
                 self._embedder = self._make_embedder()
+                log.info("queries: embedder %s", described(self._embedder))
             return self._embedder
 
     def close(self) -> None:

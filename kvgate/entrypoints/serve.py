@@ -108,7 +108,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--ingest-priority",
         default="batch",
         choices=["critical", "standard", "batch"],
-        help="the priority class of document ingestion (its thread's OS priority)",
+        help="the priority class of document ingestion (its process's OS priority)",
+    )
+    g.add_argument(
+        "--embed-precision",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the document embedder's arithmetic (auto: bfloat16 where oneDNN has bf16 GEMMs, "
+        "else float32; logged at start)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = p.add_argument_group("replicas (Ray Serve: kvgate.cluster)")
@@ -326,6 +333,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         data_dir=a.data_dir,
         docs_url=a.docs_url,
         ingest_priority=a.ingest_priority,
+        embed_precision=a.embed_precision,
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,
         engine_process=a.engine_process == "on",

@@ -227,8 +227,7 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
         spec = governance.spec(tenant)
         return StorageLimits(spec.max_files, spec.max_storage_bytes)
 
-    # Two threads: at the ingestion's OS priority they take only what serving leaves idle.
-    embedder = functools.partial(E5Embedder, threads=2)  # pickles: the ingestion process
+    embedder = functools.partial(E5Embedder, precision=config.embed_precision)  # pickles
     return DocsService(store, embedder, limits, priority=config.ingest_priority)
 
 

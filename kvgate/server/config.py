@@ -59,6 +59,8 @@ class ServerConfig:
     docs_url: str | None = None
     #: The priority class document ingestion runs at (its thread's OS priority).
     ingest_priority: str = "batch"
+    #: The document embedder's arithmetic: auto, float32 or bfloat16 (docs/e5_encoder.py).
+    embed_precision: str = "auto"
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -88,6 +90,10 @@ class ServerConfig:
         if self.ingest_priority not in ("critical", "standard", "batch"):
             raise InvalidConfig(
                 "ingest_priority must be critical, standard or batch", param="ingest_priority"
+            )
+        if self.embed_precision not in ("auto", "float32", "bfloat16"):
+            raise InvalidConfig(
+                "embed_precision must be auto, float32 or bfloat16", param="embed_precision"
             )
         if not self.served_model_name:
             raise InvalidConfig("served_model_name must not be empty", param="served_model_name")

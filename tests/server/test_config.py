@@ -31,6 +31,16 @@ def test_yaml_settings(tmp_path: Path) -> None:
     assert (config.host, config.max_queue_len) == ("0.0.0.0", 3)
 
 
+def test_embed_precision_flag_and_setting(tmp_path: Path) -> None:
+    assert server_config(_parse(["serve"])).embed_precision == "auto"
+    config = server_config(_parse(["serve", "--embed-precision", "bfloat16"]))
+    assert config.embed_precision == "bfloat16"
+    path = tmp_path / "kvgate.toml"
+    path.write_text('embed_precision = "int4"\n')
+    with pytest.raises((InvalidConfig, SystemExit)):
+        server_config(_parse(["serve", "--config", str(path)]))
+
+
 def test_default_served_name_is_the_model_directory(tmp_path: Path) -> None:
     args = _parse(["serve", "--model", str(tmp_path / "my-llama") + "/"])
     assert server_config(args).served_model_name == "my-llama"
