@@ -179,6 +179,17 @@ def _name(embedder: Embedder) -> str:
 LINEAR_MACS_PER_TOKEN = 12 * (4 * 384 * 384 + 2 * 384 * 1536)
 
 
+def gemm_rate(dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of PyTorch's GEMM here, now, on the FFN's shape at 4,096 tokens: the bound the
+    embedder's linears are measured against (the CPU's nominal peak is not known in a VM)."""
+    x, w = torch.randn(4096, 384, dtype=dtype), torch.randn(1536, 384, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch.nn.functional.linear(x, w)
+    return 10 * 2 * 4096 * 384 * 1536 / (time.perf_counter() - t0) / 1e9
+
+
 def compare_embedders(corpus: Path, chosen: Embedder, peer: Embedder, n: int) -> float:
     """Both embedders on the same ``n`` chunks of the corpus (auto chunking, as indexed):
     tokens/s of each, their ratio, and how far the vectors are apart (cosine). Returns the
@@ -197,9 +208,13 @@ def compare_embedders(corpus: Path, chosen: Embedder, peer: Embedder, n: int) ->
         vectors.append(embedder.passages(sample))
         rates.append(tokens / (time.perf_counter() - t0))
     cos = (vectors[0] * vectors[1]).sum(1)
+    dtype = torch.bfloat16 if _name(chosen) == "bfloat16" else torch.float32
+    bound = gemm_rate(dtype)
+    print(f"PyTorch's {str(dtype).removeprefix('torch.')} GEMM alone here: {bound:.0f} GFLOP/s")
     for name, rate in zip((_name(chosen), _name(peer)), rates, strict=True):
         gflops = rate * 2 * LINEAR_MACS_PER_TOKEN / 1e9
-        print(f"embedder {name}: {rate:,.0f} tokens/s ({gflops:.0f} GFLOP/s in the linears)")
+        print(f"embedder {name}: {rate:,.0f} tokens/s ({gflops:.0f} GFLOP/s in the linears, "
+              f"{gflops / bound:.0%} of the GEMM's rate)")  # fmt: skip
     print(f"  {len(sample)} chunks, {tokens} tokens; cosine to {_name(peer)}'s vectors: "
           f"min {cos.min():.4f}, mean {cos.mean():.4f}", flush=True)  # fmt: skip
     return rates[0] / rates[1]
