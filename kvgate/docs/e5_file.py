@@ -126,9 +126,6 @@ class E5File:
             out[name] = (dtype, int(n), int(offset))
         return out
 
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
     def q4_blocks(self, name: str) -> np.ndarray:
         """A Q4_0 tensor's raw blocks, ``[n / 32]`` of (``d``: fp16, ``qs``: 16 bytes)."""
         dtype, n, offset = self._entry(name)

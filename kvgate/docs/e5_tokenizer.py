@@ -23,8 +23,7 @@ _SPACES = re.compile(" {2,}")
 
 class E5Tokenizer:
     def __init__(self, vocab: E5Vocab) -> None:
-        self.bos, self.eos, self.pad, self.unk = vocab.bos, vocab.eos, vocab.pad, vocab.unk
-        self._table = {cp: out for cp, out in vocab.normalise.items()}
+        self._table = vocab.normalise  # str.translate's table: codepoint -> replacement
         model = {
             "type": "Unigram",
             "unk_id": vocab.unk,

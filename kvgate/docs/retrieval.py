@@ -64,8 +64,8 @@ class E5Embedder:
     tokenizer (``e5_file.py``, ``e5_tokenizer.py``) on PyTorch (``e5_encoder.py``).
 
     ``precision``: ``auto`` (``e5_encoder.auto_precision``), ``float32`` or ``bfloat16``. It
-    uses PyTorch's threads as the process has set them (the ingestion process
-    sets its own)."""
+    uses PyTorch's threads as the process has set them (the ingestion process sets its own).
+    """
 
     dim = 384
 

@@ -27,7 +27,7 @@ from kvgate.engine.front import EngineFront
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import InvalidConfig
-from kvgate.server.config import ServerConfig
+from kvgate.server.config import EMBED_PRECISIONS, ServerConfig
 from kvgate.server.limits import RequestLimits
 
 log = logging.getLogger("kvgate.server")
@@ -113,7 +113,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--embed-precision",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=list(EMBED_PRECISIONS),
         help="the document embedder's arithmetic (auto: bfloat16 where oneDNN has bf16 GEMMs, "
         "else float32; logged at start)",
     )

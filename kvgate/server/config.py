@@ -28,6 +28,9 @@ from kvgate.errors import InvalidConfig
 from kvgate.server.limits import RequestLimits
 from kvgate.settings_file import read_table
 
+#: ``--embed-precision``: ``auto`` or one of the encoder's (kvgate/docs/e5_encoder.py).
+EMBED_PRECISIONS = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -57,10 +60,10 @@ class ServerConfig:
     #: The documents database (None: $KVGATE_DOCS_URL, else SQLite in ``data_dir``): a
     #: ``postgresql://`` URL shares files and vector stores between replicas.
     docs_url: str | None = None
-    #: The priority class document ingestion runs at (its thread's OS priority).
+    #: The priority class document ingestion runs at (its process's OS priority).
     ingest_priority: str = "batch"
     #: The document embedder's arithmetic: auto, float32 or bfloat16 (docs/e5_encoder.py).
-    embed_precision: str = "auto"
+    embed_precision: str = "auto"  # one of EMBED_PRECISIONS
     #: What one request may make the server do (body size, prompt size, stop lists, read
     #: timeouts, connections); see server/limits.py.
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -91,9 +94,10 @@ class ServerConfig:
             raise InvalidConfig(
                 "ingest_priority must be critical, standard or batch", param="ingest_priority"
             )
-        if self.embed_precision not in ("auto", "float32", "bfloat16"):
+        if self.embed_precision not in EMBED_PRECISIONS:
             raise InvalidConfig(
-                "embed_precision must be auto, float32 or bfloat16", param="embed_precision"
+                f"embed_precision must be one of {', '.join(EMBED_PRECISIONS)}",
+                param="embed_precision",
             )
         if not self.served_model_name:
             raise InvalidConfig("served_model_name must not be empty", param="served_model_name")

@@ -94,6 +94,12 @@ def test_bfloat16_stays_near_float32(file: E5File, fp32: E5Embedder) -> None:
     assert cos.min() > 0.99, cos
 
 
+def test_the_servers_choices_are_the_encoders() -> None:
+    from kvgate.server.config import EMBED_PRECISIONS
+
+    assert ("auto", *e5_encoder.PRECISIONS) == EMBED_PRECISIONS
+
+
 def test_unknown_precision_is_refused(file: E5File) -> None:
     with pytest.raises(ValueError, match="unknown embedder precision"):
         E5Encoder(file, "int4")
