@@ -266,6 +266,24 @@ class WidenLinear:
         return KernelCall(fn_address(self._fn), w, scale, bias, "widen", n, k, wtype)
 
 
+class LogitsHead:
+    """The LM head (``LinearFactory.logits``): [S, H] hidden states -> [S, V] float32."""
+
+    def __init__(self, layer: Linear) -> None:
+        self.layer = layer
+        self.out_features = layer.out_features
+        # float32 in: a WidenLinear built for float32 activations, whose sums stay float32
+        self.float32_sums = isinstance(layer, WidenLinear) and layer.io_dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_sums:
+            x = x.float()
+        return self.layer(x).float()
+
+    def weight_bytes(self) -> int:
+        return self.layer.weight_bytes()
+
+
 def _onednn_packs(dtype: torch.dtype) -> bool:
     """Probe the private oneDNN ops once: present, and equal to F.linear on a small case
     (on CPUs without AVX512BW or AVX-NE-CONVERT oneDNN refuses bf16 weights)."""
@@ -326,6 +344,27 @@ class LinearFactory:
         if self.onednn:
             return "bf16-onednn"
         return f"torch-{str(self.dtype).removeprefix('torch.')}"
+
+    def logits(self, weight: torch.Tensor) -> LogitsHead:
+        """The LM head over ``weight`` [V, H]: hidden states in ``dtype`` -> float32 logits.
+
+        Where a bf16 model's layers run on ``linear_avx2``, the head takes its input as
+        float32 (exactly the values the kernel widens bf16 to) and keeps its float32 sums:
+        rounded to bf16, logits near 32 fall on steps of 0.25 (a 28% step in probability), and
+        two tokens whose float32 sums differ tie, greedy then taking the lower id. Elsewhere
+        (``linear_bf16``, oneDNN, ``F.linear``) the layer's bf16 output is upcast.
+        """
+        lib, q = self.library, self.quantization
+        widen = (
+            self.dtype == torch.bfloat16
+            and lib is not None
+            and WidenLinear.supports(weight, torch.float32, q)
+            and (q is not None or not (lib.isa == "avx512bf16" and Bf16DotLinear.supports(weight)))
+        )
+        if lib is not None and widen:
+            w = weight.to(self.device)
+            return LogitsHead(WidenLinear(w, None, lib, io_dtype=torch.float32, quantization=q))
+        return LogitsHead(self(weight, None))
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """``weight`` [N, K] in any float dtype (cast here); ``bias`` [N] or None."""

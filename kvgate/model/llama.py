@@ -93,7 +93,7 @@ class LlamaModel:
             lm_head = embed
         else:
             lm_head = self._raw(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = self.linear(lm_head, None)
+        self.lm_head = self.linear.logits(lm_head)
         self.final_norm = self._norm(weights, "model.norm.weight", (c.hidden_size,))
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(
@@ -214,7 +214,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer (the LM head included,
         int8 where quantized) and the norms; of the embedding table only one row a token."""
-        linears = [self.lm_head]
+        linears: list[Linear] = [self.lm_head]
         for layer in self.layers:
             linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
         norms = self.config.hidden_size * (2 * len(self.layers) + 1) * self.embed.element_size()
@@ -293,5 +293,5 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] in float32 (as HF upcasts them)."""
-        return self.lm_head(hidden).float()
+        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``)."""
+        return self.lm_head(hidden)

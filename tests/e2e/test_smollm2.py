@@ -112,17 +112,36 @@ def test_fp32_token_identical_in_every_schedule(
     assert [list(o.token_ids) for o in chunked] == hf_fp32
 
 
+def _first_token_margins(model: Any, prompts: list[list[int]]) -> list[float]:
+    """Per prompt, how far the top logit of the first generated token leads the second."""
+    margins = []
+    with torch.no_grad():
+        for p in prompts:
+            top = model(torch.tensor([p])).logits[0, -1].float().topk(2).values
+            margins.append(float(top[0] - top[1]))
+    return margins
+
+
+#: A first token whose float32 logit leads by less is a near-tie for bf16, whose logits near 32
+#: fall on steps of 0.25: which of the two an implementation picks is its rounding's luck.
+CLEAR_MARGIN = 0.5
+
+
 def test_bf16_agreement_report(
     smollm2_gguf_path: Path, prompts: list[list[int]], tmp_path: Path
 ) -> None:
     """bf16 rounding differs between implementations; report where the two first diverge.
 
     The reference is transformers' plain Llama on the same weights exported to bf16
-    safetensors (its GGUF path would compute in fp32)."""
+    safetensors (its GGUF path would compute in fp32). Every prompt whose first token is
+    clear in float32 on those weights must get the same first token from both."""
     from transformers import LlamaForCausalLM
 
     exported = save_hf_checkpoint(
         load_checkpoint(smollm2_gguf_path), tmp_path / "hf", torch.bfloat16
+    )
+    margins = _first_token_margins(
+        LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32).eval(), prompts
     )
     ref = _hf_greedy_model(
         LlamaForCausalLM.from_pretrained(exported, dtype=torch.bfloat16), prompts
@@ -136,8 +155,10 @@ def test_bf16_agreement_report(
             n += 1
         agree.append(n)
     print(f"\nbf16 tokens agreeing before first divergence (of {MAX_NEW}): {agree}")
-    # Both are bf16 greedy on the same weights: the first token should almost always agree.
-    assert sum(n >= 1 for n in agree) >= len(agree) - 1
+    print("float32 margin of the first token: " + ", ".join(f"{m:.2f}" for m in margins))
+    clear = [i for i, m in enumerate(margins) if m >= CLEAR_MARGIN]
+    assert len(clear) >= len(prompts) - 2, margins  # the test still asks something
+    assert all(agree[i] >= 1 for i in clear), (agree, margins)
 
 
 def test_streaming_chinese_and_emoji_is_valid_utf8(

@@ -157,3 +157,43 @@ def test_without_kernels_int8_still_rounds_the_weights() -> None:
     blocks = LinearFactory.for_device(torch.float32, CPU, None, "int8-b32")(w, None)
     assert isinstance(blocks, TorchLinear)
     assert torch.equal(blocks.weight, dequantize_int8(*quantize_int8(w, 32)))
+
+
+@levels
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_logits_head_keeps_float32_sums_where_it_widens(
+    level: str, quantization: str | None
+) -> None:
+    """On ``linear_avx2`` the LM head's float32 sums are its logits (not rounded to bf16, whose
+    steps near 32 make greedy ties); on ``linear_bf16`` its bf16 output is upcast. Either
+    way a row's logits do not depend on its batch."""
+    lib = _library(level)
+    torch.manual_seed(5)
+    w = torch.randn(960, 576).bfloat16()
+    head = _factory(level, q=quantization).logits(w)
+    widens = quantization is not None or lib.isa != "avx512bf16"
+    assert head.float32_sums == widens
+    x = torch.randn(37, 576).bfloat16()
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == (37, 960)
+    weights = w if quantization is None else dequantize_int8(*quantize_int8(w))
+    exact = x.double() @ weights.double().T
+    if widens:
+        # int8: x is quantized per row to int16 (|error| <= max|x| / 65534 per input)
+        tol = 1e-4 if quantization is None else 2e-2
+        torch.testing.assert_close(got.double(), exact, atol=tol, rtol=1e-5)
+        assert (got != got.bfloat16().float()).float().mean() > 0.9  # not bf16 values
+    else:
+        torch.testing.assert_close(got.double(), exact, atol=1e-2, rtol=2**-7)
+        assert torch.equal(got, got.bfloat16().float())
+    alone = torch.cat([head(x[i : i + 1]) for i in range(37)])
+    assert torch.equal(got, alone)
+
+
+def test_without_kernels_the_logits_head_upcasts() -> None:
+    factory = LinearFactory.for_device(torch.bfloat16, CPU, None)
+    w = torch.randn(64, 32)
+    head = factory.logits(w)
+    assert not head.float32_sums
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(head(x), F.linear(x, w.bfloat16()).float())
