@@ -1,14 +1,17 @@
 """Who runs next: the scheduling policy the scheduler is given. Pure Python.
 
 The scheduler owns the mechanics (token budget, blocks, preemption by recompute); the policy
-owns the waiting queue and decides order and entitlement:
+owns the waiting queue and decides order and entitlement. Its questions are pure queries;
+what it must remember of a step it is told afterwards (``on_step``, ``on_urgent``,
+``on_scheduled``, ``on_finished``), so no answer depends on which question came first:
 
-- ``pick``: which waiting request is tried next;
+- ``plan``: once per step, first: the running requests that get its budget, in order, and
+  whether the step is set aside for one tenant's prefill (a ``StepPlan``);
+- ``pick``: which waiting request is tried next, under that plan;
 - ``may_hold``: whether a tenant may hold that many KV blocks (its ceiling);
 - ``victim``: whom to preempt when a request needs room;
 - ``urgent``: which waiting request may run inside the step in flight, between two of its
-  layers, rather than wait for the step to end;
-- ``owns_step``: whether this step is set aside for a request's prefill.
+  layers, rather than wait for the step to end.
 
 ``FifoPolicy`` is arrival order, newest running request preempted first: what tenant-blind
 engines do. ``TenantFairPolicy`` adds strict priority between classes, weighted fair sharing
@@ -36,6 +39,24 @@ class Need(enum.Enum):
     SLOT = "slot"  # max_num_seqs requests are already running
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The policy's decision for one step, made before anything in it is scheduled.
+
+    ``running``: the running requests that get the step's budget, in order (the others wait
+    this step without losing their place). ``exclusive``: the tenant whose waiting request has
+    the step set aside for its prefill (it may then take the whole prompt, up to twice the
+    token budget, as an urgent step does), or None.
+    """
+
+    running: tuple[Request, ...]
+    exclusive: str | None = None
+
+    def owns(self, request: Request) -> bool:
+        """Whether the step is set aside for ``request``'s prefill."""
+        return request.tenant == self.exclusive
+
+
 class SchedulingPolicy(Protocol):
     def __len__(self) -> int:
         """Requests waiting."""
@@ -57,13 +78,16 @@ class SchedulingPolicy(Protocol):
         """A waiting request leaves (scheduled, aborted or expired)."""
         ...
 
-    def pick(self, blocked: set[str]) -> Request | None:
-        """The waiting request to try next, from a tenant not in ``blocked``; None to stop."""
+    def plan(self, running: Sequence[Request]) -> StepPlan:
+        """This step's plan (see ``StepPlan``), from the running requests."""
         ...
 
-    def running_order(self, running: Sequence[Request]) -> list[Request]:
-        """Running requests that get this step's budget, in order (once per step, first).
-        Requests left out wait this step without losing their place."""
+    def on_step(self, plan: StepPlan) -> None:
+        """The step planned by ``plan`` is being scheduled."""
+        ...
+
+    def pick(self, blocked: set[str], plan: StepPlan) -> Request | None:
+        """The waiting request to try next, from a tenant not in ``blocked``; None to stop."""
         ...
 
     def urgent(self, running: Sequence[Request]) -> Request | None:
@@ -71,10 +95,10 @@ class SchedulingPolicy(Protocol):
         runs its prefill between two layers of that step. None: nobody is that urgent."""
         ...
 
-    def owns_step(self, request: Request) -> bool:
-        """Whether this step is set aside for ``request``'s prefill (``running_order`` left
-        other work out for it): it may then take the whole prompt, up to twice the token
-        budget, as an urgent step does."""
+    def on_urgent(self, request: Request) -> None:
+        """``request`` was offered an urgent step, taken or not (one that did not fit, e.g. a
+        prompt over twice the budget, would not fit a step of its own either): the next
+        step is a normal one."""
         ...
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
@@ -127,19 +151,22 @@ class FifoPolicy:
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
 
-    def pick(self, blocked: set[str]) -> Request | None:
+    def plan(self, running: Sequence[Request]) -> StepPlan:
+        return StepPlan(tuple(running))
+
+    def on_step(self, plan: StepPlan) -> None:
+        pass
+
+    def pick(self, blocked: set[str], plan: StepPlan) -> Request | None:
         if not self._queue or self._queue[0].tenant in blocked:
             return None  # head-of-line: FIFO never jumps the queue
         return self._queue[0]
 
-    def running_order(self, running: Sequence[Request]) -> list[Request]:
-        return list(running)
-
     def urgent(self, running: Sequence[Request]) -> Request | None:
         return None  # arrival order: nobody jumps the step in flight either
 
-    def owns_step(self, request: Request) -> bool:
-        return False
+    def on_urgent(self, request: Request) -> None:
+        pass
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
         return True
@@ -201,8 +228,8 @@ class TenantFairPolicy:
         self._counter = itertools.count()
         self.vtime: dict[str, float] = {}
         self._active: dict[str, int] = {}  # tenant -> unfinished requests
-        # The tenant whose first prefill has this step to itself (see running_order).
-        self._exclusive: str | None = None
+        # Whether the last step was set aside for one tenant's prefill (planned, or urgent):
+        # the next one then is not (see ``plan``).
         self._exclusive_last_step = False
 
     def update(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
@@ -241,11 +268,11 @@ class TenantFairPolicy:
         if not queue:
             del self._queues[request.tenant]
 
-    def pick(self, blocked: set[str]) -> Request | None:
+    def pick(self, blocked: set[str], plan: StepPlan) -> Request | None:
         best: Request | None = None
         best_key: tuple[int, float, int, int] | None = None
         for tenant, queue in self._queues.items():
-            if tenant in blocked or (self._exclusive is not None and tenant != self._exclusive):
+            if tenant in blocked or (plan.exclusive is not None and tenant != plan.exclusive):
                 continue
             head = queue[0]
             # Equal virtual times (a tenant just back from idle starts level with the busiest):
@@ -261,7 +288,7 @@ class TenantFairPolicy:
         return best
 
     # ------------------------------------------------------------------ entitlement
-    def running_order(self, running: Sequence[Request]) -> list[Request]:
+    def plan(self, running: Sequence[Request]) -> StepPlan:
         """By priority; but a tenant owed service gets its next prefill in a step of its own.
 
         A quiet tenant's time to first token is what it feels: a step it shares with a full
@@ -272,33 +299,28 @@ class TenantFairPolicy:
         work.
         """
         ordered = sorted(running, key=lambda r: self.share(r.tenant).priority)  # stable
-        self._exclusive = None
-        if self._exclusive_last_step:
-            self._exclusive_last_step = False
-            return ordered
-        newcomer = self._owed_tenant(ordered)
+        newcomer = None if self._exclusive_last_step else self._owed_tenant(ordered)
         if newcomer is None:
-            return ordered
-        self._exclusive = newcomer
-        self._exclusive_last_step = True
+            return StepPlan(tuple(ordered))
         priority = self.share(newcomer).priority
-        return [r for r in ordered if self.share(r.tenant).priority < priority]
+        kept = tuple(r for r in ordered if self.share(r.tenant).priority < priority)
+        return StepPlan(kept, newcomer)
+
+    def on_step(self, plan: StepPlan) -> None:
+        self._exclusive_last_step = plan.exclusive is not None
 
     def urgent(self, running: Sequence[Request]) -> Request | None:
-        """The request ``running_order`` would give a step of its own need not wait for the
-        step in flight either: a full step of other tenants' work can take longer than its
-        whole prefill. Same rule against starving running work: never right after such a
-        step, and the next step is a normal one."""
+        """The request ``plan`` would give a step of its own need not wait for the step in
+        flight either: a full step of other tenants' work can take longer than its whole
+        prefill. Same rule against starving running work: never right after such a step, and
+        the next step is a normal one (``on_urgent``)."""
         if self._exclusive_last_step:
             return None
         tenant = self._owed_tenant(running)
-        if tenant is None:
-            return None
-        self._exclusive_last_step = True
-        return self._queues[tenant][0]
+        return self._queues[tenant][0] if tenant is not None else None
 
-    def owns_step(self, request: Request) -> bool:
-        return request.tenant == self._exclusive
+    def on_urgent(self, request: Request) -> None:
+        self._exclusive_last_step = True
 
     def _owed_tenant(self, running: Sequence[Request]) -> str | None:
         """A tenant owed service, with a fresh request waiting: some other tenant is running,

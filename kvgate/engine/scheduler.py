@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import (
@@ -27,7 +27,7 @@ from kvgate.engine.messages import (
     ScheduledSequence,
     SchedulerOutput,
 )
-from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy
+from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy, StepPlan
 from kvgate.engine.request import Request, RequestStatus
 
 
@@ -47,6 +47,24 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_spare_seqs is not None and self.num_spare_seqs < 0:
             raise ValueError(f"num_spare_seqs must be >= 0, got {self.num_spare_seqs}")
+
+
+@dataclass
+class _Draft:
+    """The step being scheduled: what is left of its token budget, and what it holds so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledSequence] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    #: Tenants that admit no more in this step: at their ceiling, or just preempted.
+    blocked: set[str] = field(default_factory=set)
+    #: Running requests preempted others to grow in this step (the pool is tight).
+    grew: bool = False
+
+    def take(self, seq: ScheduledSequence) -> None:
+        self.scheduled[seq.request_id] = seq
+        self.budget -= seq.num_tokens
 
 
 class Scheduler:
@@ -151,142 +169,124 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSequence] = {}
-        new_requests: list[NewRequestData] = []
-        preempted: list[str] = []
-        kv, policy = self.kv_cache, self.policy
-
-        def preempt(victim: Request, need: Need) -> None:
-            nonlocal budget
-            self.preemptions_by_reason[need.value] = (
-                self.preemptions_by_reason.get(need.value, 0) + 1
-            )
-            seq = scheduled.pop(victim.request_id, None)
-            if seq is not None:  # scheduled earlier in this step: give its budget back
-                budget += seq.num_tokens
-            self.running.remove(victim)
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-
-        need_of = self._need_of
-
-        # Tenants that cannot admit more in this step: at their ceiling, or just preempted
-        # (a request preempted in a step is never re-admitted in the same step).
-        blocked: set[str] = set()
-
-        def run_running(order: list[Request]) -> bool:
-            """Budget for running requests (decodes, prefill chunks); True if it preempted."""
-            nonlocal budget
-            grew = False
-            for request in order:
-                if budget <= 0:
-                    break
-                if request.status != RequestStatus.RUNNING or request.request_id in scheduled:
-                    continue  # preempted earlier in this step, or already served
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                while True:
-                    extra = kv.num_blocks_to_add(request, num_new)
-                    need = need_of(request, extra)
-                    if need is None and kv.allocate_slots(request, num_new):
-                        scheduled[request.request_id] = self._sequence(request, num_new)
-                        budget -= num_new
-                        break
-                    victim = policy.victim(
-                        request, self.running, kv.tenant_blocks, need or Need.POOL,
-                        admitting=False, extra_blocks=extra,
-                    )  # fmt: skip
-                    assert victim is not None and victim.status == RequestStatus.RUNNING
-                    preempt(victim, need or Need.POOL)
-                    blocked.add(victim.tenant)
-                    grew = True
-                    if victim is request:
-                        break
-            return grew
-
-        # 1. Running requests, in the policy's order (it may bench some for one step).
-        grew_by_preempting = run_running(policy.running_order(self.running))
-
+        plan = self.policy.plan(self.running)
+        self.policy.on_step(plan)
+        step = _Draft(self.config.max_num_batched_tokens)
+        # 1. Running requests, in the plan's order (it may bench some for one step).
+        step.grew = self._run(step, plan.running)
         # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
-        # After preempting to let running requests grow, the pool is tight: admitting more
-        # would only thrash, unless the newcomer outranks running work (a policy victim).
-        while budget > 0:
-            candidate = policy.pick(blocked)
-            if candidate is None:
+        while step.budget > 0:
+            candidate = self.policy.pick(step.blocked, plan)
+            if candidate is None or not self._try_admit(step, candidate, plan):
                 break
-            hits, num_hit_tokens = kv.get_computed_blocks(candidate)
-            num_new = candidate.num_tokens - num_hit_tokens
-            # In a step set aside for it, a prompt of up to twice the budget goes whole, as in
-            # an urgent step: it ends with the first token, where a chunk would leave the rest
-            # to the next step, behind a full step of other work.
-            room = (
-                budget + self.config.max_num_batched_tokens
-                if policy.owns_step(candidate)
-                else budget
-            )
-            if num_new > room:
-                num_new = budget
-            extra = kv.num_blocks_to_add(candidate, num_new, hits)
-
-            def victim_for(
-                need: Need, candidate: Request = candidate, extra: int = extra
-            ) -> Request | None:
-                return policy.victim(
-                    candidate, self.running, kv.tenant_blocks, need,
-                    admitting=True, extra_blocks=extra,
-                )  # fmt: skip
-
-            if grew_by_preempting and victim_for(Need.POOL) is None:
-                blocked.add(candidate.tenant)
-                continue
-            spare = False
-            if self._slots_full():
-                victim = victim_for(Need.SLOT)
-                if victim is None:
-                    break
-                if len(self.spare) >= self.num_spare_slots:
-                    preempt(victim, Need.SLOT)
-                    blocked.add(victim.tenant)
-                    continue
-                spare = True
-            need = need_of(candidate, extra)
-            if need is None and kv.allocate_slots(candidate, num_new, hits):
-                self._admit(candidate, num_hit_tokens, new_requests, spare)
-                scheduled[candidate.request_id] = self._sequence(candidate, num_new)
-                budget -= num_new
-                continue
-            victim = victim_for(need or Need.POOL)
-            if victim is not None:
-                preempt(victim, need or Need.POOL)
-                blocked.add(victim.tenant)
-            elif need is Need.QUOTA and not kv.tenant_blocks.get(candidate.tenant):
-                # Over its tenant's ceiling with the tenant holding nothing: it can never run
-                # (the ceiling was lowered under it). End it rather than let it wait for ever.
-                candidate.error = (
-                    f"the request needs {extra} KV blocks, over its tenant's kv_ceiling"
-                )
-                self.finish_requests([candidate.request_id], RequestStatus.FINISHED_ERROR)
-                self.refused.append(candidate)
-            elif need is Need.QUOTA:
-                blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
-            else:
-                break  # the pool is full: later requests wait their turn
-
-        # A step the policy set aside for a newcomer that could not be admitted after all
-        # would run nothing: give the budget to the running requests instead.
-        if not scheduled and self.running:
-            run_running(list(self.running))
-
-        for seq in scheduled.values():
-            policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens)
+        # A step set aside for a newcomer that could not be admitted after all would run
+        # nothing: give the budget to the running requests instead.
+        if not step.scheduled and self.running:
+            self._run(step, list(self.running))
+        for seq in step.scheduled.values():
+            self.policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens)
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
         return SchedulerOutput(
-            sequences=tuple(scheduled.values()),
-            new_requests=tuple(new_requests),
+            sequences=tuple(step.scheduled.values()),
+            new_requests=tuple(step.new_requests),
             finished_request_ids=finished,
-            preempted_request_ids=tuple(preempted),
+            preempted_request_ids=tuple(step.preempted),
         )
+
+    def _run(self, step: _Draft, order: Iterable[Request]) -> bool:
+        """Budget for running requests (decodes, prefill chunks), growing their blocks and
+        preempting where they cannot grow; True if it preempted."""
+        kv, grew = self.kv_cache, False
+        for request in order:
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request.request_id in step.scheduled:
+                continue  # preempted earlier in this step, or already served
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            while True:
+                extra = kv.num_blocks_to_add(request, num_new)
+                need = self._need_of(request, extra)
+                if need is None and kv.allocate_slots(request, num_new):
+                    step.take(self._sequence(request, num_new))
+                    break
+                victim = self._victim(request, need or Need.POOL, extra, admitting=False)
+                assert victim is not None and victim.status == RequestStatus.RUNNING
+                self._preempt_for(step, victim, need or Need.POOL)
+                grew = True
+                if victim is request:
+                    break
+        return grew
+
+    def _try_admit(self, step: _Draft, candidate: Request, plan: StepPlan) -> bool:
+        """Admit the waiting ``candidate`` if it fits; else preempt for it, or leave its tenant
+        out of this step. False: admit no more in this step (the pool or the slots are full).
+
+        After preempting to let running requests grow, the pool is tight: admitting more would
+        only thrash, unless the newcomer outranks running work (a policy victim).
+        """
+        kv = self.kv_cache
+        hits, num_hit_tokens = kv.get_computed_blocks(candidate)
+        num_new = candidate.num_tokens - num_hit_tokens
+        # In a step set aside for it, a prompt of up to twice the budget goes whole, as in an
+        # urgent step: it ends with the first token, where a chunk would leave the rest to the
+        # next step, behind a full step of other work.
+        room = step.budget + (self.config.max_num_batched_tokens if plan.owns(candidate) else 0)
+        if num_new > room:
+            num_new = step.budget
+        extra = kv.num_blocks_to_add(candidate, num_new, hits)
+        if step.grew and self._victim(candidate, Need.POOL, extra) is None:
+            step.blocked.add(candidate.tenant)
+            return True
+        spare = self._slots_full()
+        if spare:
+            victim = self._victim(candidate, Need.SLOT, extra)
+            if victim is None:
+                return False
+            if len(self.spare) >= self.num_spare_slots:
+                self._preempt_for(step, victim, Need.SLOT)
+                return True
+        need = self._need_of(candidate, extra)
+        if need is None and kv.allocate_slots(candidate, num_new, hits):
+            self._admit(candidate, num_hit_tokens, step.new_requests, spare)
+            step.take(self._sequence(candidate, num_new))
+            return True
+        victim = self._victim(candidate, need or Need.POOL, extra)
+        if victim is not None:
+            self._preempt_for(step, victim, need or Need.POOL)
+        elif need is Need.QUOTA and not kv.tenant_blocks.get(candidate.tenant):
+            # Over its tenant's ceiling with the tenant holding nothing: it can never run (the
+            # ceiling was lowered under it). End it rather than let it wait for ever.
+            candidate.error = f"the request needs {extra} KV blocks, over its tenant's kv_ceiling"
+            self.finish_requests([candidate.request_id], RequestStatus.FINISHED_ERROR)
+            self.refused.append(candidate)
+        elif need is Need.QUOTA:
+            step.blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
+        else:
+            return False  # the pool is full: later requests wait their turn
+        return True
+
+    def _victim(
+        self, request: Request, need: Need, extra: int, admitting: bool = True
+    ) -> Request | None:
+        """The policy's victim for ``request``, which needs ``extra`` more blocks."""
+        return self.policy.victim(
+            request, self.running, self.kv_cache.tenant_blocks, need,
+            admitting=admitting, extra_blocks=extra,
+        )  # fmt: skip
+
+    def _preempt_for(self, step: _Draft, victim: Request, need: Need) -> None:
+        """Preempt ``victim`` in the step being drafted: a sequence it had there gives its
+        budget back, and its tenant admits no more in this step (a request preempted in a step
+        is never re-admitted in the same step)."""
+        self.preemptions_by_reason[need.value] = self.preemptions_by_reason.get(need.value, 0) + 1
+        seq = step.scheduled.pop(victim.request_id, None)
+        if seq is not None:
+            step.budget += seq.num_tokens
+        self.running.remove(victim)
+        self._preempt(victim)
+        step.preempted.append(victim.request_id)
+        step.blocked.add(victim.tenant)
 
     def _slots_full(self) -> bool:
         """Every one of the ``max_num_seqs`` regular slots is taken."""
@@ -319,6 +319,7 @@ class Scheduler:
         candidate = self.policy.urgent(self.running)
         if candidate is None:
             return None
+        self.policy.on_urgent(candidate)
         kv, cfg = self.kv_cache, self.config
         hits, num_hit_tokens = kv.get_computed_blocks(candidate)
         num_new = candidate.num_tokens - num_hit_tokens
@@ -330,11 +331,8 @@ class Scheduler:
         spare = self._slots_full()
         if spare and (
             len(self.spare) >= self.num_spare_slots
-            or self.policy.victim(
-                candidate, self.running, kv.tenant_blocks, Need.SLOT,
-                admitting=True, extra_blocks=extra,
-            ) is None
-        ):  # fmt: skip
+            or self._victim(candidate, Need.SLOT, extra) is None
+        ):
             return None
         if not kv.allocate_slots(candidate, num_new, hits):
             return None

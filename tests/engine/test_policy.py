@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.engine.policy import TenantFairPolicy, TenantShare
+from kvgate.engine.policy import StepPlan, TenantFairPolicy, TenantShare
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.scheduler import Scheduler
 from kvgate.sampling_params import SamplingParams
@@ -318,6 +318,37 @@ def test_a_tenant_back_from_idle_gets_its_first_prefill_step_to_itself() -> None
     assert {s.request_id for s in out.sequences} == {"b0", "b1", "b2", "b3", "q", "o"}
 
 
+def test_the_policy_answers_questions_and_is_told_what_ran() -> None:
+    """``plan``, ``pick`` and ``urgent`` change nothing, however often or in whatever order they
+    are asked; only ``on_step`` / ``on_urgent`` make the next step a normal one."""
+    policy = fair({})
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
+    runner = FakeRunner()
+    for i in range(2):
+        sched.add_request(req(f"b{i}", "busy", max_tokens=50))
+    step(sched, runner)
+    sched.add_request(req("b-next", "busy"))
+    sched.add_request(req("q", "quiet"))
+    plans = [policy.plan(sched.running) for _ in range(3)]
+    assert plans[0] == plans[1] == plans[2]
+    plan = plans[0]
+    assert plan.exclusive == "quiet" and plan.running == ()  # busy's decodes sit out
+    for _ in range(2):
+        assert policy.urgent(sched.running) is sched.requests["q"]
+        assert policy.pick(set(), plan) is sched.requests["q"]  # only quiet, in its step
+        assert policy.pick({"quiet"}, plan) is None
+    normal = StepPlan(tuple(sched.running))  # a plan with no step set aside
+    assert policy.pick({"quiet"}, normal) is sched.requests["b-next"]
+    policy.on_step(plan)
+    after = policy.plan(sched.running)
+    assert after.exclusive is None and len(after.running) == 2  # never two in a row
+    assert policy.urgent(sched.running) is None
+    policy.on_step(after)
+    assert policy.plan(sched.running) == plan  # still owed: the step after next is its own
+    policy.on_urgent(sched.requests["q"])
+    assert policy.plan(sched.running).exclusive is None
+
+
 def test_a_step_set_aside_for_a_prefill_takes_a_prompt_of_up_to_twice_the_budget() -> None:
     """As an urgent step does: a chunk would leave the prompt's last tokens to the next step,
     behind a full step of the busy tenant's work, and the first token with them. A prompt
@@ -423,6 +454,8 @@ def test_who_is_urgent() -> None:
 
     sched.add_request(req("q1", "quiet"))
     assert policy.urgent(sched.running) is sched.requests["q1"]  # back from idle
+    assert policy.urgent(sched.running) is sched.requests["q1"]  # a question, not a decision
+    policy.on_urgent(sched.requests["q1"])  # offered an urgent step (not run here)
     assert policy.urgent(sched.running) is None  # never twice before a normal step
     step(sched, runner)  # q1 runs now (the step after an urgent one is a normal one)
     assert sched.requests["q1"].status == RequestStatus.RUNNING
@@ -444,6 +477,8 @@ def test_urgent_step_takes_a_prompt_of_up_to_twice_the_budget() -> None:
     step(sched, runner)
     sched.add_request(req("long", "quiet", prompt_len=33))
     assert sched.schedule_urgent() is None  # 33 > 2 x 16: it waits for normal steps
+    # ... and the next step is a normal one: a step of its own would not take it whole either
+    assert policy.plan(sched.running).exclusive is None
     step(sched, runner)
     step(sched, runner)
     sched.add_request(req("fits", "quiet2", prompt_len=32))
