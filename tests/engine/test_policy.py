@@ -318,15 +318,25 @@ def test_a_tenant_back_from_idle_gets_its_first_prefill_step_to_itself() -> None
     assert {s.request_id for s in out.sequences} == {"b0", "b1", "b2", "b3", "q", "o"}
 
 
+def _busy(
+    policy: TenantFairPolicy, n: int, budget: int, max_tokens: int
+) -> tuple[Scheduler, FakeRunner]:
+    """A scheduler whose tenant "busy" has ``n`` requests running after one step."""
+    sched = make_scheduler(
+        num_blocks=256, max_num_seqs=8, max_num_batched_tokens=budget, policy=policy
+    )
+    runner = FakeRunner()
+    for i in range(n):
+        sched.add_request(req(f"b{i}", "busy", max_tokens=max_tokens))
+    step(sched, runner)
+    return sched, runner
+
+
 def test_the_policy_answers_questions_and_is_told_what_ran() -> None:
     """``plan``, ``pick`` and ``urgent`` change nothing, however often or in whatever order they
     are asked; only ``on_step`` / ``on_urgent`` make the next step a normal one."""
     policy = fair({})
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
-    runner = FakeRunner()
-    for i in range(2):
-        sched.add_request(req(f"b{i}", "busy", max_tokens=50))
-    step(sched, runner)
+    sched, _ = _busy(policy, 2, budget=64, max_tokens=50)
     sched.add_request(req("b-next", "busy"))
     sched.add_request(req("q", "quiet"))
     plans = [policy.plan(sched.running) for _ in range(3)]
@@ -354,11 +364,7 @@ def test_a_step_set_aside_for_a_prefill_takes_a_prompt_of_up_to_twice_the_budget
     behind a full step of the busy tenant's work, and the first token with them. A prompt
     longer than that is chunked as usual."""
     policy = fair({})
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16, policy=policy)
-    runner = FakeRunner()
-    for i in range(4):
-        sched.add_request(req(f"b{i}", "busy", max_tokens=60))
-    step(sched, runner)
+    sched, runner = _busy(policy, 4, budget=16, max_tokens=60)
     for tenant, prompt_len, first_chunk in (("fits", 32, 32), ("long", 33, 16)):
         step(sched, runner)  # an ordinary step between the two set aside
         sched.add_request(req(tenant, tenant, prompt_len=prompt_len))
