@@ -2,7 +2,7 @@
 
 The scheduler owns the mechanics (token budget, blocks, preemption by recompute); the policy
 owns the waiting queue and decides order and entitlement. Its questions are pure queries;
-what it must remember of a step it is told afterwards (``on_step``, ``on_urgent``,
+what it must remember of a step it is told afterwards (``on_step``, ``on_urgent_offered``,
 ``on_scheduled``, ``on_finished``), so no answer depends on which question came first:
 
 - ``plan``: once per step, first: the running requests that get its budget, in order, and
@@ -54,7 +54,7 @@ class StepPlan:
 
     def owns(self, request: Request) -> bool:
         """Whether the step is set aside for ``request``'s prefill."""
-        return request.tenant == self.exclusive
+        return self.exclusive is not None and request.tenant == self.exclusive
 
 
 class SchedulingPolicy(Protocol):
@@ -95,7 +95,7 @@ class SchedulingPolicy(Protocol):
         runs its prefill between two layers of that step. None: nobody is that urgent."""
         ...
 
-    def on_urgent(self, request: Request) -> None:
+    def on_urgent_offered(self, request: Request) -> None:
         """``request`` was offered an urgent step, taken or not (one that did not fit, e.g. a
         prompt over twice the budget, would not fit a step of its own either): the next
         step is a normal one."""
@@ -165,7 +165,7 @@ class FifoPolicy:
     def urgent(self, running: Sequence[Request]) -> Request | None:
         return None  # arrival order: nobody jumps the step in flight either
 
-    def on_urgent(self, request: Request) -> None:
+    def on_urgent_offered(self, request: Request) -> None:
         pass
 
     def may_hold(self, tenant: str, num_blocks: int) -> bool:
@@ -313,13 +313,13 @@ class TenantFairPolicy:
         """The request ``plan`` would give a step of its own need not wait for the step in
         flight either: a full step of other tenants' work can take longer than its whole
         prefill. Same rule against starving running work: never right after such a step, and
-        the next step is a normal one (``on_urgent``)."""
+        the next step is a normal one (``on_urgent_offered``)."""
         if self._exclusive_last_step:
             return None
         tenant = self._owed_tenant(running)
         return self._queues[tenant][0] if tenant is not None else None
 
-    def on_urgent(self, request: Request) -> None:
+    def on_urgent_offered(self, request: Request) -> None:
         self._exclusive_last_step = True
 
     def _owed_tenant(self, running: Sequence[Request]) -> str | None:

@@ -173,11 +173,11 @@ class Scheduler:
         self.policy.on_step(plan)
         step = _Draft(self.config.max_num_batched_tokens)
         # 1. Running requests, in the plan's order (it may bench some for one step).
-        step.grew = self._run(step, plan.running)
+        self._run(step, plan.running)
         # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
         while step.budget > 0:
             candidate = self.policy.pick(step.blocked, plan)
-            if candidate is None or not self._try_admit(step, candidate, plan):
+            if candidate is None or not self._consider(step, candidate, plan):
                 break
         # A step set aside for a newcomer that could not be admitted after all would run
         # nothing: give the budget to the running requests instead.
@@ -194,10 +194,10 @@ class Scheduler:
             preempted_request_ids=tuple(step.preempted),
         )
 
-    def _run(self, step: _Draft, order: Iterable[Request]) -> bool:
+    def _run(self, step: _Draft, order: Iterable[Request]) -> None:
         """Budget for running requests (decodes, prefill chunks), growing their blocks and
-        preempting where they cannot grow; True if it preempted."""
-        kv, grew = self.kv_cache, False
+        preempting where they cannot grow (``step.grew``)."""
+        kv = self.kv_cache
         for request in order:
             if step.budget <= 0:
                 break
@@ -213,14 +213,14 @@ class Scheduler:
                 victim = self._victim(request, need or Need.POOL, extra, admitting=False)
                 assert victim is not None and victim.status == RequestStatus.RUNNING
                 self._preempt_for(step, victim, need or Need.POOL)
-                grew = True
+                step.grew = True
                 if victim is request:
                     break
-        return grew
 
-    def _try_admit(self, step: _Draft, candidate: Request, plan: StepPlan) -> bool:
+    def _consider(self, step: _Draft, candidate: Request, plan: StepPlan) -> bool:
         """Admit the waiting ``candidate`` if it fits; else preempt for it, or leave its tenant
-        out of this step. False: admit no more in this step (the pool or the slots are full).
+        out of this step. True: go on with the next waiting request; False: admit no more in
+        this step (the pool or the slots are full).
 
         After preempting to let running requests grow, the pool is tight: admitting more would
         only thrash, unless the newcomer outranks running work (a policy victim).
@@ -235,12 +235,12 @@ class Scheduler:
         if num_new > room:
             num_new = step.budget
         extra = kv.num_blocks_to_add(candidate, num_new, hits)
-        if step.grew and self._victim(candidate, Need.POOL, extra) is None:
+        if step.grew and self._victim(candidate, Need.POOL, extra, admitting=True) is None:
             step.blocked.add(candidate.tenant)
             return True
-        spare = self._slots_full()
-        if spare:
-            victim = self._victim(candidate, Need.SLOT, extra)
+        takes_spare = self._slots_full()  # every regular slot is taken: it needs a spare one
+        if takes_spare:
+            victim = self._victim(candidate, Need.SLOT, extra, admitting=True)
             if victim is None:
                 return False
             if len(self.spare) >= self.num_spare_slots:
@@ -248,10 +248,10 @@ class Scheduler:
                 return True
         need = self._need_of(candidate, extra)
         if need is None and kv.allocate_slots(candidate, num_new, hits):
-            self._admit(candidate, num_hit_tokens, step.new_requests, spare)
+            self._admit(candidate, num_hit_tokens, step.new_requests, takes_spare)
             step.take(self._sequence(candidate, num_new))
             return True
-        victim = self._victim(candidate, need or Need.POOL, extra)
+        victim = self._victim(candidate, need or Need.POOL, extra, admitting=True)
         if victim is not None:
             self._preempt_for(step, victim, need or Need.POOL)
         elif need is Need.QUOTA and not kv.tenant_blocks.get(candidate.tenant):
@@ -267,9 +267,10 @@ class Scheduler:
         return True
 
     def _victim(
-        self, request: Request, need: Need, extra: int, admitting: bool = True
+        self, request: Request, need: Need, extra: int, *, admitting: bool
     ) -> Request | None:
-        """The policy's victim for ``request``, which needs ``extra`` more blocks."""
+        """The policy's victim for ``request``, which needs ``extra`` more blocks: a waiting
+        request to admit (``admitting``) or a running one that must grow."""
         return self.policy.victim(
             request, self.running, self.kv_cache.tenant_blocks, need,
             admitting=admitting, extra_blocks=extra,
@@ -319,7 +320,7 @@ class Scheduler:
         candidate = self.policy.urgent(self.running)
         if candidate is None:
             return None
-        self.policy.on_urgent(candidate)
+        self.policy.on_urgent_offered(candidate)
         kv, cfg = self.kv_cache, self.config
         hits, num_hit_tokens = kv.get_computed_blocks(candidate)
         num_new = candidate.num_tokens - num_hit_tokens
@@ -331,7 +332,7 @@ class Scheduler:
         spare = self._slots_full()
         if spare and (
             len(self.spare) >= self.num_spare_slots
-            or self._victim(candidate, Need.SLOT, extra) is None
+            or self._victim(candidate, Need.SLOT, extra, admitting=True) is None
         ):
             return None
         if not kv.allocate_slots(candidate, num_new, hits):

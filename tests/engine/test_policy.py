@@ -334,7 +334,7 @@ def _busy(
 
 def test_the_policy_answers_questions_and_is_told_what_ran() -> None:
     """``plan``, ``pick`` and ``urgent`` change nothing, however often or in whatever order they
-    are asked; only ``on_step`` / ``on_urgent`` make the next step a normal one."""
+    are asked; only ``on_step`` / ``on_urgent_offered`` make the next step a normal one."""
     policy = fair({})
     sched, _ = _busy(policy, 2, budget=64, max_tokens=50)
     sched.add_request(req("b-next", "busy"))
@@ -355,7 +355,7 @@ def test_the_policy_answers_questions_and_is_told_what_ran() -> None:
     assert policy.urgent(sched.running) is None
     policy.on_step(after)
     assert policy.plan(sched.running) == plan  # still owed: the step after next is its own
-    policy.on_urgent(sched.requests["q"])
+    policy.on_urgent_offered(sched.requests["q"])
     assert policy.plan(sched.running).exclusive is None
 
 
@@ -461,7 +461,7 @@ def test_who_is_urgent() -> None:
     sched.add_request(req("q1", "quiet"))
     assert policy.urgent(sched.running) is sched.requests["q1"]  # back from idle
     assert policy.urgent(sched.running) is sched.requests["q1"]  # a question, not a decision
-    policy.on_urgent(sched.requests["q1"])  # offered an urgent step (not run here)
+    policy.on_urgent_offered(sched.requests["q1"])  # offered an urgent step (not run here)
     assert policy.urgent(sched.running) is None  # never twice before a normal step
     step(sched, runner)  # q1 runs now (the step after an urgent one is a normal one)
     assert sched.requests["q1"].status == RequestStatus.RUNNING
