@@ -355,34 +355,40 @@ class LinearFactory:
         (``linear_bf16``, oneDNN, ``F.linear``) the layer's bf16 output is upcast.
         """
         lib, q = self.library, self.quantization
-        widen = (
-            self.dtype == torch.bfloat16
-            and lib is not None
-            and WidenLinear.supports(weight, torch.float32, q)
-            and (q is not None or not (lib.isa == "avx512bf16" and Bf16DotLinear.supports(weight)))
-        )
-        if lib is not None and widen:
+        if lib is not None and self.dtype == torch.bfloat16 and self._kernel(weight) == "widen":
             w = weight.to(self.device)
             return LogitsHead(WidenLinear(w, None, lib, io_dtype=torch.float32, quantization=q))
         return LogitsHead(self(weight, None))
 
+    def _kernel(self, weight: torch.Tensor) -> str | None:
+        """The native kernel a layer over ``weight`` [N, K] gets: ``dot`` (``linear_bf16``),
+        ``widen`` (``linear_avx2``), or None (oneDNN or PyTorch)."""
+        lib, dtype, q = self.library, self.dtype, self.quantization
+        if lib is None:
+            return None
+        if q is not None:
+            return "widen" if WidenLinear.supports(weight, dtype, q) else None
+        if dtype != torch.bfloat16:
+            return None
+        if lib.isa == "avx512bf16" and Bf16DotLinear.supports(weight):
+            return "dot"
+        return "widen" if WidenLinear.supports(weight, dtype) else None
+
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """``weight`` [N, K] in any float dtype (cast here); ``bias`` [N] or None."""
-        lib, dtype = self.library, self.dtype
+        lib, dtype, q = self.library, self.dtype, self.quantization
         if bias is not None:
             bias = bias.to(device=self.device, dtype=dtype).contiguous()
-        if (q := self.quantization) is not None:
-            if lib is not None and WidenLinear.supports(weight, dtype, q):
-                return WidenLinear(weight, bias, lib, io_dtype=dtype, quantization=q)
+        kernel = self._kernel(weight)
+        if lib is not None and kernel == "widen":
+            return WidenLinear(weight, bias, lib, io_dtype=dtype, quantization=q)
+        if q is not None:
             # No kernel for these weights here: the same rounded values, dequantized once.
             block = BLOCK if q == "int8-b32" and weight.shape[1] % BLOCK == 0 else None
             weight = dequantize_int8(*quantize_int8(weight, block))
         w = weight.to(device=self.device, dtype=dtype).contiguous()
-        if dtype == torch.bfloat16 and lib is not None:
-            if lib.isa == "avx512bf16" and Bf16DotLinear.supports(w):
-                return Bf16DotLinear(w, bias, lib)
-            if WidenLinear.supports(w, dtype):
-                return WidenLinear(w, bias, lib, io_dtype=dtype)
+        if lib is not None and kernel == "dot":
+            return Bf16DotLinear(w, bias, lib)
         if self.onednn:
             return PackedCpuLinear(w, bias)
         return TorchLinear(w, bias)
