@@ -6,20 +6,31 @@ import io
 
 import pytest
 
-from kvgate.docs.text import UnreadableFile, extract_text
+from kvgate.docs.chunking import chunk_auto
+from kvgate.docs.text import UnreadableFile, _without_running_lines, extract_text
 
 
 def _pdf(lines: list[str]) -> bytes:
-    """A one-page PDF whose text layer holds ``lines`` (ASCII, Helvetica), built by hand."""
-    ops = "".join(f"BT /F1 12 Tf 72 {720 - 16 * i} Td ({t}) Tj ET\n" for i, t in enumerate(lines))
-    objects = [
-        "<< /Type /Catalog /Pages 2 0 R >>",
-        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-        "/Resources << /Font << /F1 5 0 R >> >> >>",
-        f"<< /Length {len(ops)} >>\nstream\n{ops}endstream",
-        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
+    """A one-page PDF whose text layer holds ``lines``."""
+    return _pdf_pages([lines])
+
+
+def _pdf_pages(pages: list[list[str]]) -> bytes:
+    """A PDF whose pages' text layers hold ``pages``' lines (ASCII, Helvetica), built by hand."""
+    n = len(pages)
+    kids = " ".join(f"{3 + 2 * i} 0 R" for i in range(n))
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", f"<< /Type /Pages /Kids [{kids}] /Count {n} >>"]
+    font = 3 + 2 * n
+    for i, lines in enumerate(pages):
+        ops = "".join(
+            f"BT /F1 12 Tf 72 {720 - 16 * j} Td ({t}) Tj ET\n" for j, t in enumerate(lines)
+        )
+        objects.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {4 + 2 * i} 0 R "
+            f"/Resources << /Font << /F1 {font} 0 R >> >> >>"
+        )
+        objects.append(f"<< /Length {len(ops)} >>\nstream\n{ops}endstream")
+    objects.append("<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
     out, offsets = io.BytesIO(), []
     out.write(b"%PDF-1.4\n")
     for i, body in enumerate(objects, 1):
@@ -53,9 +64,55 @@ def test_html_headings_become_markdown_and_scripts_go() -> None:
     assert "alert" not in text and "p{}" not in text
 
 
+def test_html_code_blocks_are_fenced_and_table_cells_kept_apart() -> None:
+    html = (
+        "<h2>Install</h2><p>Run:</p><pre># not a heading\nmake install</pre>"
+        "<table><tr><th>Port</th><th>Use</th></tr><tr><td>8000</td><td>API</td></tr></table>"
+    )
+    text = extract_text("m.html", html.encode())
+    assert "```\n# not a heading\nmake install\n```" in text
+    assert "Port | Use\n8000 | API" in text
+    assert {c.section for c in chunk_auto(text, len)} == {("Install",)}
+
+
 def test_pdf_text_layer() -> None:
     text = extract_text("r.pdf", _pdf(["Article 1 Scope", "Article 2 Terms"]))
     assert "Article 1 Scope" in text and "Article 2 Terms" in text
+
+
+def test_pdf_running_headers_footers_and_page_numbers_go() -> None:
+    pages = [
+        [
+            "ACME Router Guide",
+            f"{i + 1} Section {i + 1}",
+            ["Plug in the power.", "Connect the cable.", "Open the console.", "Save it."][i],
+            f"- {i + 1} -",
+        ]
+        for i in range(4)
+    ]
+    pages[2][1] = "Article 3 Terms"  # content at a page's top edge stays
+    text = extract_text("g.pdf", _pdf_pages(pages))
+    assert "ACME" not in text and "- 2 -" not in text
+    assert "2 Section 2" in text and "Article 3 Terms" in text and "Save it." in text
+    sections = [c.section for c in chunk_auto(text, len)]
+    assert ("1 Section 1",) in sections and ("ACME Router Guide",) not in sections
+
+
+def test_running_lines_by_their_repeats_and_page_number_forms() -> None:
+    """Chinese forms (no CJK font in the hand-built PDFs): a header with the page's number in
+    it, 第 N 页 footers; an article at a page's edge, and a line on too few pages, stay."""
+    topics = ["总则", "招聘", "考勤", "薪酬", "福利", "附则"]
+    pages = [
+        f"某某公司员工手册（2024版）第{i}页\n{topic}的规定\n{topic}适用本章。\n第 {i} 页 共 6 页"
+        for i, topic in enumerate(topics)
+    ]
+    pages[3] = "第十二条 试用期\n正文。\n只在两页上的一行"
+    pages[4] = "正文。\n只在两页上的一行"
+    out = _without_running_lines(pages)
+    assert not any("员工手册" in p or "共 6 页" in p for p in out)
+    assert out[3].startswith("第十二条 试用期") and out[4].endswith("只在两页上的一行")
+    assert out[0] == "总则的规定\n总则适用本章。"
+    assert _without_running_lines(["第 1 页"]) == ["第 1 页"]  # one page: nothing to compare
 
 
 def test_docx_paragraphs_and_headings() -> None:
