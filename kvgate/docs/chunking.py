@@ -2,12 +2,12 @@
 
 ``auto`` (kvgate's): structure first. Headings (Markdown ``#`` and underlined ones,
 outside code fences; the 编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines;
-Part / Chapter / Section lines; numbered headings ``1.2 Title``) build a heading path; units
-start under them at each article (第X条, ``Article 5``), at an appendix (附录, 附件), and,
-outside articles, at each top-level clause of a contract (一、 …). A unit is one chunk when
-it fits the token cap; a longer one is cut at paragraph and sentence ends (。！？；!?;), with
-overlap between its pieces, and only inside a sentence when a sentence alone is over the
-cap. Every 第X条 starts a chunk.
+Part / Chapter / Section lines; numbered headings ``1.2 Title``, ``1.2. 标题``, ``1.2标题``)
+build a heading path; units start under them at each article (第X条, ``Article 5``), at an
+appendix (附录, 附件), and, outside articles, at each top-level clause of a contract (一、
+…). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph and
+sentence ends (。！？；!?;), with overlap between its pieces, and only inside a sentence when
+a sentence alone is over the cap. Every 第X条 starts a chunk.
 
 ``static`` (OpenAI's): windows of ``max_tokens`` sliding by ``max_tokens - overlap``.
 
@@ -27,7 +27,13 @@ _NUM = "零〇一二三四五六七八九十百千万两0-9０-９"
 _MD_HEADING = re.compile(r"(#{1,6})[ \t]+(.+?)[ \t#]*$")
 _LAW_HEADING = re.compile(rf"[ \t　]*(第[{_NUM}]+(分编|编|章|节))(?:[ \t　]+|$)(.*)$")
 _LAW_LEVEL = {"编": 1, "分编": 2, "章": 3, "节": 4}
-_NUMBERED_HEADING = re.compile(r"(\d+(?:\.\d+)+|\d+)[ \t]+([^\s\d].{0,60})$")
+#: Numbered headings: "1 Title", and "1.2 Title", "1.2. Title", "1.2　标题" (ideographic
+#: space), "1.2标题" (no space before CJK, as Chinese manuals often write them). A bare "1."
+#: is a list item, not a heading.
+_NUMBERED_HEADING = re.compile(
+    r"(\d+(?:\.\d+)+)\.?(?:[ \t\u3000]+|(?=[\u4e00-\u9fff]))([^\s\d].{0,60})$"
+    r"|(\d+)[ \t\u3000]+([^\s\d].{0,60})$"
+)
 #: English structure as plain lines: Part > Chapter > Section.
 _EN_HEADING = re.compile(r"[ \t]*(PART|Part|CHAPTER|Chapter|SECTION|Section)[ \t]+([0-9IVXLC]+)\b")
 _EN_LEVEL = {"part": 1, "chapter": 2, "section": 3}
@@ -94,7 +100,7 @@ def _heading(line: str, markdown_levels: bool) -> tuple[int, str] | None:
         return level, _title(line)
     m = _NUMBERED_HEADING.match(line)
     if m is not None and not line.rstrip().endswith(ends):
-        return m.group(1).count(".") + 1, _title(line)
+        return (m.group(1) or m.group(3)).count(".") + 1, _title(line)
     return None
 
 
