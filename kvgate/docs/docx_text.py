@@ -111,6 +111,15 @@ def format_number(n: int, fmt: str) -> str:
     return str(n)
 
 
+def _int(value: str | None) -> int:
+    """An integer attribute; 0 where it is absent or not a number (a damaged file's lists
+    are then numbered from 0, not refused)."""
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
 def _val(element: Any, tag: str) -> str | None:
     """The ``w:val`` of ``element``'s child ``tag``, or None."""
     child = None if element is None else element.find(qn(tag))
@@ -146,8 +155,8 @@ class _Numbering:
         for abstract in root.findall(qn("w:abstractNum")):
             levels: dict[int, _Level] = {}
             for lvl in abstract.findall(qn("w:lvl")):
-                levels[int(lvl.get(qn("w:ilvl"), "0"))] = _Level(
-                    start=int(_val(lvl, "w:start") or 0),
+                levels[_int(lvl.get(qn("w:ilvl")))] = _Level(
+                    start=_int(_val(lvl, "w:start")),
                     fmt=_val(lvl, "w:numFmt") or "decimal",
                     text=_val(lvl, "w:lvlText") or "",
                     suffix=_val(lvl, "w:suff") or "tab",
@@ -160,7 +169,7 @@ class _Numbering:
             for override in num.findall(qn("w:lvlOverride")):
                 start = _val(override, "w:startOverride")
                 if start is not None:
-                    overrides[int(override.get(qn("w:ilvl"), "0"))] = int(start)
+                    overrides[_int(override.get(qn("w:ilvl")))] = _int(start)
             out.nums[num.get(qn("w:numId"))] = (_val(num, "w:abstractNumId") or "", overrides)
         return out
 
@@ -214,7 +223,7 @@ def _num_pr(paragraph: Paragraph) -> tuple[str, int | None] | None:
         if num_id == "0":
             return None
         ilvl = _val(num_pr, "w:ilvl")
-        return num_id, int(ilvl) if ilvl is not None else (0 if i == 0 else None)
+        return num_id, _int(ilvl) if ilvl is not None else (0 if i == 0 else None)
     return None
 
 
@@ -241,7 +250,7 @@ def _heading_level(paragraph: Paragraph) -> int:
     for pr in [paragraph._p.pPr, *(s.element.pPr for s in _styles(paragraph))]:
         level = _val(pr, "w:outlineLvl")
         if level is not None:
-            return int(level) + 1 if int(level) < 9 else 0  # 9: body text
+            return _int(level) + 1 if 0 <= _int(level) < 9 else 0  # 9: body text
     return 0
 
 
