@@ -2,7 +2,7 @@
 
 ``auto`` (kvgate's): structure first. Headings (Markdown ``#`` and underlined ones,
 outside code fences; the 编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines;
-Part / Chapter / Section lines; numbered headings ``1.2 Title``, ``1.2. 标题``, ``1.2标题``)
+Part / Chapter / Section lines; numbered headings ``1.2 Title``, ``1.2. 标题``, ``1.2　标题``)
 build a heading path; units start under them at each article (第X条, ``Article 5``), at an
 appendix (附录, 附件), and, outside articles, at each top-level clause of a contract (一、
 …). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph and
@@ -27,13 +27,9 @@ _NUM = "零〇一二三四五六七八九十百千万两0-9０-９"
 _MD_HEADING = re.compile(r"(#{1,6})[ \t]+(.+?)[ \t#]*$")
 _LAW_HEADING = re.compile(rf"[ \t　]*(第[{_NUM}]+(分编|编|章|节))(?:[ \t　]+|$)(.*)$")
 _LAW_LEVEL = {"编": 1, "分编": 2, "章": 3, "节": 4}
-#: Numbered headings: "1 Title", and "1.2 Title", "1.2. Title", "1.2　标题" (ideographic
-#: space), "1.2标题" (no space before CJK, as Chinese manuals often write them). A bare "1."
-#: is a list item, not a heading.
-_NUMBERED_HEADING = re.compile(
-    r"(\d+(?:\.\d+)+)\.?(?:[ \t\u3000]+|(?=[\u4e00-\u9fff]))([^\s\d].{0,60})$"
-    r"|(\d+)[ \t\u3000]+([^\s\d].{0,60})$"
-)
+#: Numbered headings: "1 Title", "1.2 Title", "1.2. Title", "1.2　标题" (ideographic space).
+#: A bare "1." is a list item; "3.5倍" (no space) is a quantity, not a heading.
+_NUMBERED_HEADING = re.compile(r"(\d+(?:\.\d+)+\.?|\d+)[ \t\u3000]+([^\s\d].{0,60})$")
 #: English structure as plain lines: Part > Chapter > Section.
 _EN_HEADING = re.compile(r"[ \t]*(PART|Part|CHAPTER|Chapter|SECTION|Section)[ \t]+([0-9IVXLC]+)\b")
 _EN_LEVEL = {"part": 1, "chapter": 2, "section": 3}
@@ -99,9 +95,19 @@ def _heading(line: str, markdown_levels: bool) -> tuple[int, str] | None:
         level = _EN_LEVEL[m.group(1).lower()] + (1 if markdown_levels else 0)
         return level, _title(line)
     m = _NUMBERED_HEADING.match(line)
-    if m is not None and not line.rstrip().endswith(ends):
-        return (m.group(1) or m.group(3)).count(".") + 1, _title(line)
+    if m is not None and " | " not in line and not line.rstrip().endswith(ends):
+        return m.group(1).rstrip(".").count(".") + 1, _title(line)  # not a table's row
     return None
+
+
+def marks_structure(line: str) -> bool:
+    """Whether ``line`` starts an article, an appendix or a part of a law or book (第三条,
+    附件2, 第二章, Chapter 4, Article 5): a line that must stay where it is, even where it
+    repeats at the top of every page."""
+    return any(
+        p.match(line) is not None
+        for p in (_ARTICLE, _EN_ARTICLE, _APPENDIX, _LAW_HEADING, _EN_HEADING)
+    )
 
 
 def _setext_titles(lines: list[tuple[int, int, str]]) -> dict[int, int]:

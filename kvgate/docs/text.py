@@ -16,6 +16,7 @@ import os
 import re
 from html.parser import HTMLParser
 
+from kvgate.docs.chunking import marks_structure
 from kvgate.errors import KVGateError
 
 TEXT_SUFFIXES = (".md", ".markdown", ".txt")
@@ -80,45 +81,84 @@ def _decode(filename: str, data: bytes) -> str:
 
 
 class _HtmlText(HTMLParser):
+    """Visible text; headings as ``#`` lines; ``<pre>`` fenced as code, so a "# comment" in it
+    is no heading; a table row a line, its cells joined by " | ", whatever a cell holds
+    (paragraphs, line breaks, code, a nested table) kept on that line."""
+
     _SKIP = frozenset({"script", "style", "head", "template", "noscript"})
     _BLOCK = frozenset({
-        "p", "div", "br", "li", "tr", "table", "section", "article", "blockquote",
-        "ul", "ol", "dd", "dt", "header", "footer",
+        "p", "div", "br", "li", "section", "article", "blockquote",
+        "ul", "ol", "dd", "dt", "header", "footer", "caption",
     })  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self.skip = 0
-        self.cells = 0  # cells begun in the current table row
+        self.tables: list[list[int]] = []  # open tables: [cells begun in the row, cell open]
+        self.pre = 0  # open <pre> elements
+        self.fenced = False  # a fence is open
+
+    def _in_cell(self) -> bool:
+        return any(open_ for _, open_ in self.tables)
+
+    def _break(self, text: str = "\n") -> None:
+        self.parts.append(" " if self._in_cell() else text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in self._SKIP:
             self.skip += 1
         elif re.fullmatch(r"h[1-6]", tag):
-            self.parts.append("\n\n" + "#" * int(tag[1]) + " ")
-        elif tag == "pre":  # fenced, so a "# comment" in the code is not a heading
-            self.parts.append("\n```\n")
-        elif tag in ("td", "th"):  # a row a line, its cells apart
-            self.parts.append(" | " if self.cells else "")
-            self.cells += 1
+            self._break("\n\n" + "#" * int(tag[1]) + " ")
+        elif tag == "pre" and not self.skip:
+            self.pre += 1
+            if self.pre == 1 and not self._in_cell():
+                self.parts.append("\n```\n")
+                self.fenced = True
+        elif tag == "table":
+            self._break()
+            self.tables.append([0, 0])
         elif tag == "tr":
-            self.cells = 0
-            self.parts.append("\n")
+            if self.tables:
+                self.tables[-1][:] = [0, 0]
+            self._break()
+        elif tag in ("td", "th"):
+            if not self.tables:
+                self.tables.append([0, 0])  # a cell outside any table
+            row = self.tables[-1]
+            row[1] = 0
+            self.parts.append(" | " if row[0] else "")
+            row[0], row[1] = row[0] + 1, 1
         elif tag in self._BLOCK:
-            self.parts.append("\n")
+            self._break()
 
     def handle_endtag(self, tag: str) -> None:
         if tag in self._SKIP:
             self.skip = max(0, self.skip - 1)
-        elif tag == "pre":
-            self.parts.append("\n```\n")
-        elif re.fullmatch(r"h[1-6]", tag) or (tag in self._BLOCK and tag != "tr"):
-            self.parts.append("\n")
+        elif tag == "pre" and not self.skip:
+            if self.pre == 1 and self.fenced:
+                self.parts.append("\n```\n")
+                self.fenced = False
+            self.pre = max(0, self.pre - 1)
+        elif tag == "table":
+            if self.tables:
+                self.tables.pop()
+            self._break()
+        elif tag in ("td", "th"):
+            if self.tables:
+                self.tables[-1][1] = 0
+        elif re.fullmatch(r"h[1-6]", tag) or tag in self._BLOCK:
+            self._break()
 
     def handle_data(self, data: str) -> None:
         if not self.skip:
-            self.parts.append(data)
+            self.parts.append(re.sub(r"\s+", " ", data) if self._in_cell() else data)
+
+    def close(self) -> None:
+        super().close()
+        if self.fenced:  # an unclosed <pre> ends with the document
+            self.parts.append("\n```\n")
+            self.fenced = False
 
 
 def _html(markup: str) -> str:
@@ -146,20 +186,16 @@ def _pdf(filename: str, data: bytes) -> str:
     return "\n\n".join(p.strip() for p in _without_running_lines(pages)) + "\n"
 
 
-#: A line that is only a page number: "12", "- 12 -", "第 12 页", "第12页 共40页", "12 / 40",
-#: "Page 12 of 40". (Not 第12条: that is an article.)
-_PAGE_NUMBER = re.compile(
-    r"[-—–\s]*(?:\d+|第\s*\d+\s*页(?:\s*[,，/]?\s*共\s*\d+\s*页)?|\d+\s*/\s*\d+"
-    r"|(?i:page)\s+\d+(?:\s+of\s+\d+)?)[-—–\s]*"
-)
 _EDGE = 2  # lines at the top and at the bottom of a page that may be running ones
 
 
 def _without_running_lines(pages: list[str]) -> list[str]:
     """Each page without the lines a printed document repeats at its edges (the first and
-    last ``_EDGE`` lines with text): running headers and footers (``_running``) and page
-    numbers. Left in, they split sections and articles mid-text and read as headings ("3
-    User Guide" is a numbered heading) on every page."""
+    last ``_EDGE`` lines with text): running headers, footers and page numbers
+    (``_running``). Left in, they split sections and articles mid-text and read as headings
+    ("3 User Guide" is a numbered heading) on every page. Kept: a line the chunker reads as
+    structure (附件2, 第三条, Chapter 4 alone atop each page), and the document's first line
+    (a title its running header repeats)."""
     if len(pages) < 2:
         return pages
 
@@ -167,18 +203,22 @@ def _without_running_lines(pages: list[str]) -> list[str]:
         return re.sub(r"\d+", "#", re.sub(r"\s+", " ", line).strip())
 
     split = [page.splitlines() for page in pages]
-    edges = []  # per page: the indices of its first and last _EDGE lines with text
+    edges: list[list[int]] = []  # per page: its first and last _EDGE lines with text
     for lines in split:
         text = [i for i, line in enumerate(lines) if line.strip()]
-        edges.append(sorted(set(text[:_EDGE] + text[-_EDGE:])))
+        at = sorted(set(text[:_EDGE] + text[-_EDGE:]))
+        edges.append([i for i in at if not marks_structure(lines[i])])
     seen: dict[str, dict[int, str]] = {}  # key -> page -> the line
     for page, (lines, at) in enumerate(zip(split, edges, strict=True)):
         for i in at:
             seen.setdefault(key(lines[i]), {})[page] = lines[i].strip()
     running = {k for k, found in seen.items() if _running(found, len(pages))}
+    first = next((i for i, line in enumerate(split[0]) if line.strip()), None)
     out = []
-    for lines, at in zip(split, edges, strict=True):
-        drop = {i for i in at if key(lines[i]) in running or _PAGE_NUMBER.fullmatch(lines[i])}
+    for page, (lines, at) in enumerate(zip(split, edges, strict=True)):
+        drop = {i for i in at if key(lines[i]) in running}
+        if page == 0 and first in drop and len(set(seen[key(lines[first])].values())) == 1:
+            drop.discard(first)  # the title, which the running header repeats word for word
         out.append("\n".join(line for i, line in enumerate(lines) if i not in drop))
     return out
 
@@ -186,7 +226,8 @@ def _without_running_lines(pages: list[str]) -> list[str]:
 def _running(found: dict[int, str], pages: int) -> bool:
     """Whether a line found at the edge of these pages (page -> its text there) is a running
     one: on at least half of the pages and 3, the same text, or the same but for one number
-    that goes up with the page ("Guide 2024 - 7"); not "2 Section 2" on every page."""
+    that goes up with the page ("- 7 -", "第 7 页 共 9 页", "Guide 2024 - 7"); not "2 Section
+    2" on every page, nor a number that is not the page's."""
     if len(found) < max(3, pages / 2):
         return False
     numbers = [(page, [int(n) for n in re.findall(r"\d+", line)]) for page, line in found.items()]

@@ -232,3 +232,73 @@ def test_bullets_and_unnumbered_levels() -> None:
     _numbered(document, "说明", 51, ilvl=1)
     lines = [line for line in _read(document).splitlines() if line]
     assert lines == ["• 要点", "说明"]
+
+
+def test_merged_nested_and_numbered_cells() -> None:
+    """A cell merged down is read where it begins (python-docx's row.cells raised on some
+    merges, and was quadratic in the rows); a nested table's text stays in its cell; a
+    numbered 序号 column shows its numbers."""
+    document = docx.Document()
+    _add_list(document, 40, [("decimal", "%1", "nothing")])
+    _add_num(document, 41, 40)
+    numbered = (
+        '<w:p><w:pPr><w:numPr><w:ilvl w:val="0"/><w:numId w:val="41"/></w:numPr></w:pPr></w:p>'
+    )
+
+    def p(text: str) -> str:
+        return f"<w:p><w:r><w:t>{text}</w:t></w:r></w:p>"
+
+    nested = f"<w:tbl><w:tr><w:tc>{p('正本')}</w:tc></w:tr></w:tbl>"
+    cells = [
+        f'<w:tcPr><w:vMerge w:val="restart"/></w:tcPr>{p("营业执照")}',
+        f"<w:tcPr><w:vMerge/></w:tcPr>{p('')}",
+        p("身份证") + nested,
+    ]
+    rows = "".join(f"<w:tr><w:tc>{numbered}</w:tc><w:tc>{cell}</w:tc></w:tr>" for cell in cells)
+    table = f"<w:tbl {W}><w:tblGrid><w:gridCol/><w:gridCol/></w:tblGrid>{rows}</w:tbl>"
+    document.element.body.sectPr.addprevious(parse_xml(table))
+    lines = [line for line in _read(document).splitlines() if line]
+    assert lines == ["1 | 营业执照", "2 | ", "3 | 身份证 正本"]
+
+
+def _style(kind: str, sid: str, num_pr: str) -> Any:
+    return parse_xml(
+        f'<w:style {W} w:type="{kind}" w:styleId="{sid}"><w:name w:val="{sid}"/>'
+        f"<w:pPr><w:numPr>{num_pr}</w:numPr></w:pPr></w:style>"
+    )
+
+
+def test_numbering_through_style_links_level_overrides_and_split_sources() -> None:
+    document = docx.Document()
+    styles = document.styles.element
+    root = document.part.numbering_part.element
+    # numStyleLink: list 31's abstractNum holds no levels, only a link to the numbering style
+    # "Articles", whose num (30) is the list that holds them.
+    _add_list(document, 30, [("chineseCounting", "第%1条", "space")])
+    link = '<w:numStyleLink w:val="Articles"/>'
+    root.insert(0, parse_xml(f'<w:abstractNum {W} w:abstractNumId="31">{link}</w:abstractNum>'))
+    _add_num(document, 30, 30)
+    _add_num(document, 31, 31)
+    styles.append(_style("numbering", "Articles", '<w:numId w:val="30"/>'))
+    _numbered(document, "链接的列表。", 31)
+    # A whole level in a num's lvlOverride: its own format and start.
+    level = (
+        '<w:lvl w:ilvl="0"><w:start w:val="5"/><w:numFmt w:val="decimal"/>'
+        '<w:lvlText w:val="%1)"/></w:lvl>'
+    )
+    root.append(
+        parse_xml(
+            f'<w:num {W} w:numId="32"><w:abstractNumId w:val="30"/>'
+            f'<w:lvlOverride w:ilvl="0">{level}</w:lvlOverride></w:num>'
+        )
+    )
+    _numbered(document, "换了格式。", 32)
+    # numId from the style, ilvl from the paragraph.
+    _add_list(document, 20, [("decimal", "%1", "space"), ("decimal", "%1.%2", "space")])
+    _add_num(document, 21, 20)
+    styles.append(_style("paragraph", "Clause", '<w:numId w:val="21"/>'))
+    document.add_paragraph("总", style="Clause")
+    part = document.add_paragraph("分", style="Clause")
+    part._p.get_or_add_pPr().append(parse_xml(f'<w:numPr {W}><w:ilvl w:val="1"/></w:numPr>'))
+    lines = [line for line in _read(document).splitlines() if line]
+    assert lines == ["第一条 链接的列表。", "5) 换了格式。", "1 总", "1.1 分"]

@@ -75,6 +75,25 @@ def test_html_code_blocks_are_fenced_and_table_cells_kept_apart() -> None:
     assert {c.section for c in chunk_auto(text, len)} == {("Install",)}
 
 
+def test_html_cells_keep_what_they_hold_on_their_row() -> None:
+    html = (
+        "<table><tr><td><p>名称</p></td><td>说明<br>第二行</td></tr>"
+        "<tr><td><pre>ls -l</pre></td><td><table><tr><td>内1</td><td>内2</td></tr></table></td>"
+        "<tr><td>未闭合<td>单元</table><p>后文</p><pre>tail</pre></pre>"
+    )
+    text = extract_text("t.html", html.encode())
+    lines = [" ".join(line.split()) for line in text.splitlines() if line]
+    assert lines == [
+        "名称 | 说明 第二行",
+        "ls -l | 内1 | 内2",
+        "未闭合 | 单元",
+        "后文",
+        "```",
+        "tail",
+        "```",
+    ]
+
+
 def test_pdf_text_layer() -> None:
     text = extract_text("r.pdf", _pdf(["Article 1 Scope", "Article 2 Terms"]))
     assert "Article 1 Scope" in text and "Article 2 Terms" in text
@@ -92,10 +111,11 @@ def test_pdf_running_headers_footers_and_page_numbers_go() -> None:
     ]
     pages[2][1] = "Article 3 Terms"  # content at a page's top edge stays
     text = extract_text("g.pdf", _pdf_pages(pages))
-    assert "ACME" not in text and "- 2 -" not in text
+    assert text.startswith("ACME Router Guide\n") and text.count("ACME") == 1  # the title
+    assert "- 2 -" not in text
     assert "2 Section 2" in text and "Article 3 Terms" in text and "Save it." in text
     sections = [c.section for c in chunk_auto(text, len)]
-    assert ("1 Section 1",) in sections and ("ACME Router Guide",) not in sections
+    assert ("1 Section 1",) in sections and ("2 Section 2",) in sections
 
 
 def test_running_lines_by_their_repeats_and_page_number_forms() -> None:
@@ -160,3 +180,15 @@ def _blank_pdf() -> bytes:
 def test_a_pdf_with_no_text_layer() -> None:
     with pytest.raises(UnreadableFile, match="no text layer"):
         extract_text("scan.pdf", _blank_pdf())
+
+
+def test_what_repeats_at_page_edges_but_is_content_stays() -> None:
+    """One appendix form a page (附件1, 附件2, ...), articles atop pages, numbers that are not
+    the page's, and the title that the running header repeats."""
+    forms = [f"附件{i + 1}\n申请表\n填表说明{'甲乙丙丁'[i]}。\n示范市人民政府" for i in range(4)]
+    out = _without_running_lines(["示范市人民政府\n关于印发办法的通知", *forms])
+    assert out[0].startswith("示范市人民政府")
+    assert [p.splitlines()[0] for p in out[1:]] == ["附件1", "附件2", "附件3", "附件4"]
+    assert not any("人民政府" in p for p in out[1:])
+    laws = [f"第{n}条 内容{n}。\n{v}" for n, v in zip("一二三四", (100, 256, 2023, 7), strict=True)]
+    assert _without_running_lines(laws) == laws
