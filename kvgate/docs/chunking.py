@@ -2,12 +2,13 @@
 
 ``auto`` (kvgate's): structure first. Headings (Markdown ``#`` and underlined ones,
 outside code fences; the 编 / 分编 / 章 / 节 of Chinese laws, as Markdown or as plain lines;
-Part / Chapter / Section lines; numbered headings ``1.2 Title``, ``1.2. 标题``, ``1.2　标题``)
-build a heading path; units start under them at each article (第X条, ``Article 5``), at an
-appendix (附录, 附件), and, outside articles, at each top-level clause of a contract (一、
-…). A unit is one chunk when it fits the token cap; a longer one is cut at paragraph and
-sentence ends (。！？；!?;), with overlap between its pieces, and only inside a sentence when
-a sentence alone is over the cap. Every 第X条 starts a chunk.
+Part / Chapter / Section lines; numbered headings ``1.2 Title``, ``1.2. 标题``, ``1.2　标题``;
+any of these set in bold on a line of its own) build a heading path; units start under them
+at each article (第X条, ``Article 5``), at an appendix (附录, 附件), and, outside articles, at
+each top-level clause of a contract (一、…, labelled with its title where its line is one:
+``一、合同标的``). A unit is one chunk when it fits the token cap; a longer one is cut at
+paragraph and sentence ends (。！？；!?;), with overlap between its pieces, and only inside a
+sentence when a sentence alone is over the cap. Every 第X条 starts a chunk.
 
 ``static`` (OpenAI's): windows of ``max_tokens`` sliding by ``max_tokens - overlap``.
 
@@ -36,6 +37,7 @@ _EN_LEVEL = {"part": 1, "chapter": 2, "section": 3}
 _EN_ARTICLE = re.compile(
     r"[ \t]*\**((?:ARTICLE|Article)[ \t]+[0-9IVXLC]+(?:\.[0-9]+)*)\**(?:[.:\s]|$)"
 )
+_BOLD_LINE = re.compile(r"[ \t]*(?:\*\*|__)([^*_].*?)(?:\*\*|__)[ \t]*")
 _SETEXT = re.compile(r"[ \t]*(=+|-+)[ \t]*$")
 _ARTICLE = re.compile(rf"[ \t　]*\**(第[{_NUM}]+条(?:之[{_NUM}]+)?)\**(?:[ \t　]|$)")
 _APPENDIX = re.compile(
@@ -84,6 +86,8 @@ def _heading(line: str, markdown_levels: bool) -> tuple[int, str] | None:
     m = _MD_HEADING.match(line)
     if m is not None:
         return len(m.group(1)), _title(m.group(2))
+    bold = _BOLD_LINE.fullmatch(line)  # "**4.1 交付地点**": a heading set in bold
+    line = bold.group(1) if bold is not None else line
     m = _LAW_HEADING.match(line)
     if m is not None and len(line) <= 60 and not line.rstrip().endswith(("。", "；", "：")):
         # As plain lines, the law's own hierarchy; +1 below a Markdown document's title.
@@ -108,6 +112,17 @@ def marks_structure(line: str) -> bool:
         p.match(line) is not None
         for p in (_ARTICLE, _EN_ARTICLE, _APPENDIX, _LAW_HEADING, _EN_HEADING)
     )
+
+
+def _label(line: str, article: re.Match[str] | None, clause: re.Match[str] | None) -> str:
+    """A unit's own label: its article (第五条), or its clause with the clause's title where
+    the line is one ("一、合同标的"; "一、" where the clause is a sentence)."""
+    if article is not None or clause is None:
+        return article.group(1) if article is not None else ""
+    rest = _title(line[clause.end() :])
+    if rest and len(rest) <= 30 and not re.search(r"[。！？；，,;:：]", rest):
+        return f"{clause.group(1)}、{rest}"
+    return clause.group(1) + "、"
 
 
 def _setext_titles(lines: list[tuple[int, int, str]]) -> dict[int, int]:
@@ -182,7 +197,7 @@ def _units(text: str) -> list[_Unit]:
             marker = article or clause
             if marker is not None:
                 close(lo)
-                start, label = lo, marker.group(1) + ("、" if clause else "")
+                start, label = lo, _label(line, article, clause)
                 in_article = article is not None
                 continue
         if start is None and line.strip():

@@ -118,6 +118,27 @@ def test_numbered_headings_as_chinese_manuals_write_them(space: str) -> None:
     assert "3.5倍于默认值" in chunks[3].text and "1 | 营业执照 | 复印件" in chunks[3].text
 
 
+def test_a_contract_s_clause_titles_and_headings_set_in_bold() -> None:
+    """A clause whose line is a title carries it in its label (一、合同标的); one that is a
+    sentence carries its number; a bold line "**4.1 交付地点**" is a heading, a bold
+    sentence is not."""
+    text = (
+        "# 设备采购合同\n\n甲方：某公司\n\n一、合同标的\n\n服务器十台。\n\n二、价款与支付\n\n"
+        "（一）总价五十万元。\n\n三、甲方应当按时付款，逾期支付违约金。\n\n**4.1 交付地点**\n\n"
+        "北京市。\n\n**注意：本条为重点条款**\n"
+    )
+    chunks = chunk_auto(text, len)
+    _exact(text, chunks)
+    assert [c.section[1:] for c in chunks] == [
+        (),
+        ("一、合同标的",),
+        ("二、价款与支付",),
+        ("三、",),
+        ("4.1 交付地点",),
+    ]
+    assert chunks[-1].text == "北京市。\n\n**注意：本条为重点条款**"
+
+
 def test_a_long_article_is_cut_at_sentence_ends_with_overlap() -> None:
     sentences = [f"第{i}句话讲的是一件事情。" for i in range(40)]  # 10-12 characters each
     text = "第一条 " + "".join(sentences)
