@@ -44,7 +44,9 @@ _APPENDIX = re.compile(
     r"[ \t　]*((?:附录|附件|附表)[一二三四五六七八九十0-9]*)[ \t　]*[：:]?[ \t　]*$"
 )
 _CLAUSE = re.compile(r"[ \t　]*([一二三四五六七八九十百]+)、")
-_FENCE = re.compile(r"[ \t]*(```|~~~)")
+#: A code fence's opening or closing line (CommonMark's, but at any indent, as fences in
+#: list items are): 3 or more backticks or tildes; a closing one has only spaces after it.
+_FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})(.*)$")
 _SENTENCE_END = re.compile(r"[。！？；!?;]+[”’」』）)]*|\n\s*\n|\n")
 
 
@@ -125,17 +127,45 @@ def _label(line: str, article: re.Match[str] | None, clause: re.Match[str] | Non
     return clause.group(1) + "、"
 
 
-def _setext_titles(lines: list[tuple[int, int, str]]) -> dict[int, int]:
+_TEXT, _FENCE_LINE, _CODE = 0, 1, 2
+
+
+def _fences(lines: list[tuple[int, int, str]]) -> list[int]:
+    """Per line: ``_FENCE_LINE`` (a fence opens or closes there), ``_CODE`` (inside a fenced
+    block) or ``_TEXT``. A block closes only at a fence of its own character at least as long
+    ("````" around a Markdown example holding "```" stays open), or at the document's end."""
+    out: list[int] = []
+    opened: str | None = None  # the open fence's run, e.g. "````"
+    for _, _, line in lines:
+        m = _FENCE.match(line)
+        if opened is None:
+            if m is not None and not (m.group(1)[0] == "`" and "`" in m.group(2)):
+                opened = m.group(1)
+                out.append(_FENCE_LINE)
+            else:
+                out.append(_TEXT)
+        elif (
+            m is not None
+            and m.group(1)[0] == opened[0]
+            and len(m.group(1)) >= len(opened)
+            and not m.group(2).strip()
+        ):
+            opened = None
+            out.append(_FENCE_LINE)
+        else:
+            out.append(_CODE)
+    return out
+
+
+def _setext_titles(lines: list[tuple[int, int, str]], fences: list[int]) -> dict[int, int]:
     """Markdown's underlined headings: line index of the title -> its level (``===`` 1,
     ``---`` 2); the underline itself is the next line. Not inside code fences."""
     titles: dict[int, int] = {}
-    in_fence = False
     for i, (_, _, line) in enumerate(lines):
-        if _FENCE.match(line):
-            in_fence = not in_fence
-            continue
         m = _SETEXT.match(line)
-        if in_fence or m is None or len(m.group(1)) < 3 or i == 0:
+        if fences[i] != _TEXT or m is None or len(m.group(1)) < 3 or i == 0:
+            continue
+        if fences[i - 1] != _TEXT:
             continue
         title = lines[i - 1][2]
         if title.strip() and not _SETEXT.match(title) and not title.startswith(("#", " " * 4)):
@@ -150,9 +180,9 @@ def _units(text: str) -> list[_Unit]:
     start: int | None = None
     label: str | None = None
     in_article = False
-    in_fence = False
     lines = list(_lines(text))
-    setext = _setext_titles(lines)
+    fences = _fences(lines)
+    setext = _setext_titles(lines, fences)
     markdown_levels = bool(setext) or bool(re.search(r"(?m)^#{1,6}[ \t]", text))
 
     def close(end: int) -> None:
@@ -166,11 +196,11 @@ def _units(text: str) -> list[_Unit]:
     for n, (lo, _, line) in enumerate(lines):
         if n in underlines:
             continue  # the line under a setext title
-        if _FENCE.match(line):
-            in_fence = not in_fence
+        if fences[n] == _FENCE_LINE:
             if start is None:
                 start = lo
             continue
+        in_fence = fences[n] == _CODE
         heading = None if in_fence else _heading(line, markdown_levels)
         if n in setext:
             heading = (setext[n], _title(line))

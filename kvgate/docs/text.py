@@ -97,7 +97,7 @@ class _HtmlText(HTMLParser):
         self.skip = 0
         self.tables: list[list[int]] = []  # open tables: [cells begun in the row, cell open]
         self.pre = 0  # open <pre> elements
-        self.fenced = False  # a fence is open
+        self.fence_at: int | None = None  # where the open fence goes in parts
 
     def _in_cell(self) -> bool:
         return any(open_ for _, open_ in self.tables)
@@ -113,8 +113,8 @@ class _HtmlText(HTMLParser):
         elif tag == "pre" and not self.skip:
             self.pre += 1
             if self.pre == 1 and not self._in_cell():
-                self.parts.append("\n```\n")
-                self.fenced = True
+                self.fence_at = len(self.parts)
+                self.parts.append("")  # written when it closes (_close_fence)
         elif tag == "table":
             self._break()
             self.tables.append([0, 0])
@@ -136,9 +136,8 @@ class _HtmlText(HTMLParser):
         if tag in self._SKIP:
             self.skip = max(0, self.skip - 1)
         elif tag == "pre" and not self.skip:
-            if self.pre == 1 and self.fenced:
-                self.parts.append("\n```\n")
-                self.fenced = False
+            if self.pre == 1:
+                self._close_fence()
             self.pre = max(0, self.pre - 1)
         elif tag == "table":
             if self.tables:
@@ -154,11 +153,20 @@ class _HtmlText(HTMLParser):
         if not self.skip:
             self.parts.append(re.sub(r"\s+", " ", data) if self._in_cell() else data)
 
+    def _close_fence(self) -> None:
+        """Both fences of the <pre>, longer than any run of backticks in its code."""
+        if self.fence_at is None:
+            return
+        code = "".join(self.parts[self.fence_at + 1 :])
+        longest = max((len(run) for run in re.findall(r"`+", code)), default=0)
+        fence = "\n" + "`" * max(3, longest + 1) + "\n"
+        self.parts[self.fence_at] = fence
+        self.parts.append(fence)
+        self.fence_at = None
+
     def close(self) -> None:
         super().close()
-        if self.fenced:  # an unclosed <pre> ends with the document
-            self.parts.append("\n```\n")
-            self.fenced = False
+        self._close_fence()  # an unclosed <pre> ends with the document
 
 
 def _html(markup: str) -> str:

@@ -85,6 +85,9 @@ def test_markdown_headings_but_not_inside_code_fences() -> None:
     assert len(install) == 1 and "# not a heading" in install[0].text
     assert "Done." in install[0].text
     assert [c.section for c in chunks if "Use it." in c.text] == [("Manual", "2.1 Usage")]
+    # A longer fence holds a shorter one (a Markdown example inside a code block).
+    text = "# Doc\n\n````md\n```sh\n# no\n```\n## nor this\n````\n\n## After\n\nText.\n"
+    assert [c.section for c in chunk_auto(text, len)] == [("Doc",), ("Doc", "After")]
 
 
 def test_numbered_headings_of_a_manual() -> None:

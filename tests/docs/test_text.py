@@ -73,6 +73,11 @@ def test_html_code_blocks_are_fenced_and_table_cells_kept_apart() -> None:
     assert "```\n# not a heading\nmake install\n```" in text
     assert "Port | Use\n8000 | API" in text
     assert {c.section for c in chunk_auto(text, len)} == {("Install",)}
+    # Code that shows a fence itself: the fence around it is longer, so it stays code.
+    html = "<h2>Docs</h2><pre>```bash\n# not a heading\n```\n## nor this</pre><h2>Next</h2>"
+    text = extract_text("d.html", html.encode())
+    assert text.startswith("## Docs\n\n````\n```bash\n")
+    assert [c.section for c in chunk_auto(text, len)] == [("Docs",)]
 
 
 def test_html_cells_keep_what_they_hold_on_their_row() -> None:
