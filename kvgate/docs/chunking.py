@@ -26,7 +26,7 @@ TokenCounter = Callable[[str], int]
 
 _NUM = "零〇一二三四五六七八九十百千万两0-9０-９"
 _MD_HEADING = re.compile(r"(#{1,6})[ \t]+(.+?)[ \t#]*$")
-_LAW_HEADING = re.compile(rf"[ \t　]*(第[{_NUM}]+(分编|编|章|节))(?:[ \t　]+|$)(.*)$")
+_LAW_HEADING = re.compile(rf"[ \t　]*\**(第[{_NUM}]+(分编|编|章|节))\**(?:[ \t　]+|$)(.*)$")
 _LAW_LEVEL = {"编": 1, "分编": 2, "章": 3, "节": 4}
 #: Numbered headings: "1 Title", "1.2 Title", "1.2. Title", "1.2　标题" (ideographic space).
 #: A bare "1." is a list item; "3.5倍" (no space) is a quantity, not a heading.
@@ -41,9 +41,9 @@ _BOLD_LINE = re.compile(r"[ \t]*(?:\*\*|__)([^*_].*?)(?:\*\*|__)[ \t]*")
 _SETEXT = re.compile(r"[ \t]*(=+|-+)[ \t]*$")
 _ARTICLE = re.compile(rf"[ \t　]*\**(第[{_NUM}]+条(?:之[{_NUM}]+)?)\**(?:[ \t　]|$)")
 _APPENDIX = re.compile(
-    r"[ \t　]*((?:附录|附件|附表)[一二三四五六七八九十0-9]*)[ \t　]*[：:]?[ \t　]*$"
+    r"[ \t　]*\**((?:附录|附件|附表)[一二三四五六七八九十0-9]*)\**[ \t　]*[：:]?\**[ \t　]*$"
 )
-_CLAUSE = re.compile(r"[ \t　]*([一二三四五六七八九十百]+)、")
+_CLAUSE = re.compile(r"[ \t　]*\**([一二三四五六七八九十百]+)、")
 #: A code fence's opening or closing line (CommonMark's, but at any indent, as fences in
 #: list items are): 3 or more backticks or tildes; a closing one has only spaces after it.
 _FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})(.*)$")
@@ -116,13 +116,16 @@ def marks_structure(line: str) -> bool:
     )
 
 
-def _label(line: str, article: re.Match[str] | None, clause: re.Match[str] | None) -> str:
+def _label(
+    line: str, article: re.Match[str] | None, clause: re.Match[str] | None, alone: bool
+) -> str:
     """A unit's own label: its article (第五条), or its clause with the clause's title where
-    the line is one ("一、合同标的"; "一、" where the clause is a sentence)."""
+    the line is one: a paragraph of its own ("一、合同标的", "一、付款方式："), short, not a
+    sentence; else "一、" (a sentence, or a line that wraps on)."""
     if article is not None or clause is None:
         return article.group(1) if article is not None else ""
-    rest = _title(line[clause.end() :])
-    if rest and len(rest) <= 30 and not re.search(r"[。！？；，,;:：]", rest):
+    rest = _title(line[clause.end() :]).rstrip("：:").strip()
+    if alone and rest and len(rest) <= 30 and not re.search(r"[。！？；，,;:：]", rest):
         return f"{clause.group(1)}、{rest}"
     return clause.group(1) + "、"
 
@@ -133,13 +136,23 @@ _TEXT, _FENCE_LINE, _CODE = 0, 1, 2
 def _fences(lines: list[tuple[int, int, str]]) -> list[int]:
     """Per line: ``_FENCE_LINE`` (a fence opens or closes there), ``_CODE`` (inside a fenced
     block) or ``_TEXT``. A block closes only at a fence of its own character at least as long
-    ("````" around a Markdown example holding "```" stays open), or at the document's end."""
+    ("````" around a Markdown example holding "```" stays open). A fence that nothing closes
+    is read as text: "``` end" or a "~~~ 分隔 ~~~" rule must not swallow the articles after it.
+    """
+    found = [_FENCE.match(line) for _, _, line in lines]
+    # closers[c][i]: the longest fence of character c that could close a block, at or after i.
+    closers = {c: [0] * (len(lines) + 1) for c in "`~"}
+    for i in range(len(lines) - 1, -1, -1):
+        for c, best in closers.items():
+            m = found[i]
+            own = len(m.group(1)) if m and m.group(1)[0] == c and not m.group(2).strip() else 0
+            best[i] = max(best[i + 1], own)
     out: list[int] = []
     opened: str | None = None  # the open fence's run, e.g. "````"
-    for _, _, line in lines:
-        m = _FENCE.match(line)
+    for i, m in enumerate(found):
         if opened is None:
-            if m is not None and not (m.group(1)[0] == "`" and "`" in m.group(2)):
+            opens = m is not None and not (m.group(1)[0] == "`" and "`" in m.group(2))
+            if opens and m is not None and closers[m.group(1)[0]][i + 1] >= len(m.group(1)):
                 opened = m.group(1)
                 out.append(_FENCE_LINE)
             else:
@@ -227,7 +240,8 @@ def _units(text: str) -> list[_Unit]:
             marker = article or clause
             if marker is not None:
                 close(lo)
-                start, label = lo, _label(line, article, clause)
+                alone = n + 1 == len(lines) or not lines[n + 1][2].strip()  # a paragraph
+                start, label = lo, _label(line, article, clause, alone)
                 in_article = article is not None
                 continue
         if start is None and line.strip():

@@ -237,3 +237,25 @@ def test_chunking_reads_about_each_window_not_the_whole_rest() -> None:
         chunks = chunker(text, counting, 400, 100)
         assert chunks and all(len(c.text) <= 400 for c in chunks)
         assert read < 60 * len(text), (chunker.__name__, read)
+
+
+@pytest.mark.parametrize(
+    ("text", "sections"),
+    [
+        ("```\ncode\n``` end\n第二条 内容。\n", [(), ("第二条",)]),  # no fence closes it
+        ("第一条 甲。\n~~~~~ 分隔 ~~~~~\n第二条 乙。\n~~~~~ 分隔 ~~~~~\n第三条 丙。\n",
+         [("第一条",), ("第二条",), ("第三条",)]),  # a rule, not a fence
+        ("一、甲方应当在本合同签订后十日内向乙方支付\n全部货款。\n", [("一、",)]),  # wraps on
+        ("一、付款方式：\n\n按月支付。\n", [("一、付款方式",)]),
+        ("**一、合同标的**\n\n服务器。\n\n**二、价款**\n\n十万元。\n",
+         [("一、合同标的",), ("二、价款",)]),
+        ("第一条 甲。\n\n**第二章** 附则\n\n第二条 乙。\n",
+         [("第一条",), ("第二章 附则", "第二条")]),
+    ],
+)  # fmt: skip
+def test_fences_nothing_closes_wrapped_clauses_and_bold_markers(
+    text: str, sections: list[tuple[str, ...]]
+) -> None:
+    chunks = chunk_auto(text, len)
+    _exact(text, chunks)
+    assert [c.section for c in chunks] == sections
