@@ -434,8 +434,10 @@ def docx_text(document: Any) -> str:
         style, label, text = reader.paragraph(block)
         if not text:
             continue
-        text = label + text
-        level = 1 if _is_title(style) else _heading_level(block, style)
-        level = min(level + below, 6) if level and not _is_title(style) else level
-        out.append(("#" * level + " " if level else "") + text)
+        if _is_title(style):
+            level = 1
+        else:  # Markdown has six levels
+            level = _heading_level(block, style)
+            level = min(level + below, 6) if level else 0
+        out.append(("#" * level + " " if level else "") + label + text)
     return "\n\n".join(out) + "\n"
