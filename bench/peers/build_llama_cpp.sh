@@ -20,7 +20,25 @@ OUTTYPE=${4:-bf16}
 VERSION=0.3.36
 CACHE=${KVGATE_PEER_CACHE:-$HOME/.cache/kvgate/peers}
 SRC=$CACHE/llama-cpp-python-$VERSION
-BUILD=$CACHE/llama.cpp-build
+# The peer is built for this CPU's own vector set, as a user of llama.cpp would build it:
+# AVX2 + FMA always, and AVX-512 (with VBMI, VNNI and BF16 where the CPU has them) on a CPU
+# with AVX-512. Never AMX: the native build picks Sapphire Rapids' AMX path and crashes there.
+# Flags are read from /proc/cpuinfo rather than GGML_NATIVE, so the build dir can key on them.
+FLAGS=$(grep -m1 '^flags' /proc/cpuinfo || true)
+GGML_ISA=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+ISA_TAG=avx2
+if [[ " $FLAGS " == *" avx512f "* && " $FLAGS " == *" avx512bw "* && " $FLAGS " == *" avx512vl "* ]]; then
+  GGML_ISA+=(-DGGML_AVX512=ON)
+  ISA_TAG=avx512
+  for ext in vbmi:VBMI avx512_vnni:VNNI avx512_bf16:BF16; do
+    flag=${ext%%:*}; [[ $flag == vbmi ]] && flag=avx512vbmi
+    if [[ " $FLAGS " == *" $flag "* ]]; then
+      GGML_ISA+=("-DGGML_AVX512_${ext##*:}=ON")
+      ISA_TAG+="-${ext##*:}"
+    fi
+  done
+fi
+BUILD=$CACHE/llama.cpp-build-$ISA_TAG
 SERVER=$BUILD/bin/llama-server
 mkdir -p "$CACHE"
 
@@ -31,9 +49,8 @@ if [ ! -d "$SRC" ]; then
 fi
 
 if [ ! -x "$SERVER" ]; then
-  # The native build picks this CPU's AMX path and crashes; pin the portable AVX2 set instead.
   cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_NATIVE=OFF "${GGML_ISA[@]}" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$CACHE/cmake.log" 2>&1
   cmake --build "$BUILD" --target llama-server -j "$(nproc)" >"$CACHE/build.log" 2>&1
 fi
