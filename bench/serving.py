@@ -128,7 +128,9 @@ def build_peer(python: str, weights: str) -> tuple[str, Path]:
         gguf = PEER_CACHE / f"smollm2-{weights}.gguf"
         args += [str(hf_dir), str(gguf), weights]
     out = subprocess.run(args, check=True, capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1], gguf
+    binary = out.stdout.strip().splitlines()[-1]
+    print(f"llama-server {weights}: {binary} (its build dir names the vector set)", flush=True)
+    return binary, gguf
 
 
 def make_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[str]:

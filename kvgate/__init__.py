@@ -1,6 +1,10 @@
 """kvgate: an LLM inference server that governs where the KV memory is."""
 
+from kvgate.model import cpu_isa
 from kvgate.sampling_params import SamplingParams
+
+# Before any tensor work: a forced KVGATE_CPU_ISA level applies to PyTorch's kernels too.
+cpu_isa.pin_torch_env()
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams"]
 __version__ = "0.1.0"

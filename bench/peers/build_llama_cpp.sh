@@ -24,7 +24,9 @@ SRC=$CACHE/llama-cpp-python-$VERSION
 # AVX2 + FMA always, and AVX-512 (with VBMI, VNNI and BF16 where the CPU has them) on a CPU
 # with AVX-512. Never AMX: the native build picks Sapphire Rapids' AMX path and crashes there.
 # Flags are read from /proc/cpuinfo rather than GGML_NATIVE, so the build dir can key on them.
+# KVGATE_PEER_ISA=avx2 builds the AVX2 set on any CPU (the peer of a forced KVGATE_CPU_ISA=avx2).
 FLAGS=$(grep -m1 '^flags' /proc/cpuinfo || true)
+[[ ${KVGATE_PEER_ISA:-} == avx2 ]] && FLAGS=""
 GGML_ISA=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
 ISA_TAG=avx2
 if [[ " $FLAGS " == *" avx512f "* && " $FLAGS " == *" avx512bw "* && " $FLAGS " == *" avx512vl "* ]]; then

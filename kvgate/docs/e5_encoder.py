@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.docs.e5_file import E5File, dequantize_q4
+from kvgate.model.cpu_kernels import torch_bf16_gemm
 
 #: Tokens per forward pass: smaller batches lose GEMM efficiency, larger ones only hold
 #: memory (the FFN's activations are 6 KB a token in float32).
@@ -216,6 +217,6 @@ def auto_precision() -> tuple[str, str]:
     0.996); with a scale per token (rows divided by their peak first) the vectors held
     (cosine 0.999) and the speed was gone (0.95x float32).
     """
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if torch_bf16_gemm():
         return "bfloat16", "auto: oneDNN has bf16 GEMMs on this CPU"
     return "float32", "auto: no fast bf16 GEMM on this CPU"

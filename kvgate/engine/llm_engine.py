@@ -119,7 +119,10 @@ class LLMEngine:
             quantization=config.quantization,
         )
         #: What runs each op, for the start-up log and ``kvgate:build_info``.
+        #: ``torch``: the vector level ATen dispatches to (pinned with a forced level too).
         self.build_info = self.model.build_info(kernels.level)
+        if self.device.type == "cpu":
+            self.build_info["torch"] = torch.backends.cpu.get_cpu_capability().lower()
         log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0

@@ -42,6 +42,17 @@ MARCH: dict[str, tuple[str, ...]] = {
 
 ENV = "KVGATE_CPU_ISA"
 
+#: What a forced level tells PyTorch's own CPU libraries (ATen's kernel dispatch, oneDNN), so a
+#: forced level makes the whole process look like a CPU of that level, PyTorch's choices
+#: included: on a Zen 4 forced to ``avx2``, oneDNN must refuse bf16 GEMMs as an AVX2-only
+#: EPYC's does, or the bf16 attention and embedder paths an AVX2 CPU takes go untested.
+TORCH_ENV: dict[str, dict[str, str]] = {
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
+
 
 def required_flags(level: str) -> tuple[str, ...]:
     """Every CPU flag ``level`` needs, its own and those of the levels below it."""
@@ -94,6 +105,42 @@ def select_level(requested: str | None = None, flags: frozenset[str] | None = No
             param=ENV,
         )
     return asked
+
+
+def forced_below_best(flags: frozenset[str] | None = None) -> str | None:
+    """The level ``$KVGATE_CPU_ISA`` forces when it is one this CPU runs and below its best;
+    None when nothing is forced, or the value is one ``select_level`` will refuse."""
+    asked = os.environ.get(ENV) or None
+    levels = supported_levels(flags)
+    if asked not in levels[:-1]:
+        return None
+    return asked
+
+
+def pin_torch_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Tell PyTorch's libraries the forced level (``TORCH_ENV``), where nothing has set them.
+
+    Called when ``kvgate`` is imported: ATen and oneDNN read these once, at their first
+    kernel, so this must run before any tensor work. Returns what it set; sets nothing when
+    no level is forced below the CPU's best. Child processes (the engine process, replicas)
+    inherit them.
+    """
+    env = os.environ if environ is None else environ
+    level = forced_below_best()
+    if level is None:
+        return {}
+    added = {k: v for k, v in TORCH_ENV[level].items() if k not in env}
+    env.update(added)
+    return added
+
+
+def lets_torch_use_bf16(level: str | None = None) -> bool:
+    """Whether PyTorch's bf16 GEMMs (oneDNN) may be used at ``level``: at the CPU's own best
+    level whatever it is (oneDNN alone knows, e.g. AVX-NE-CONVERT on an AVX2 CPU), and at the
+    AVX-512 levels; not at a lower level forced on a higher CPU, whose oneDNN would still
+    take bf16 if ``pin_torch_env`` came too late (torch already ran a kernel)."""
+    lv = default_level() if level is None else level
+    return lv == supported_levels()[-1] or LEVELS.index(lv) >= LEVELS.index("avx512")
 
 
 @functools.cache

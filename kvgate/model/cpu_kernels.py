@@ -234,6 +234,13 @@ def load_linear_lib(level: str | None = None) -> KernelLibrary | None:
     return load_library("linear.c", level)
 
 
+def torch_bf16_gemm() -> bool:
+    """Whether PyTorch has fast bf16 GEMMs here (oneDNN's bf16 path: AVX512-BF16 or AMX, or
+    AVX-512 / AVX-NE-CONVERT emulating it) at this process's level: the one probe behind
+    bf16 attention matmuls, the oneDNN-packed linear and the embedder's precision."""
+    return cpu_isa.lets_torch_use_bf16() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """The one capability probe: each native op's compiled library for one ISA level, each

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvgate.model import cpu_isa
 from kvgate.model.cpu_kernels import KernelLibrary, fn_address
 
 log = logging.getLogger("kvgate.model")
@@ -288,6 +289,8 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     """Probe the private oneDNN ops once: present, and equal to F.linear on a small case
     (on CPUs without AVX512BW or AVX-NE-CONVERT oneDNN refuses bf16 weights)."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if not cpu_isa.lets_torch_use_bf16():  # a forced level below an AVX-512 CPU's best
         return False
     try:
         w = torch.randn(48, 32).to(dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgate.model.cpu_kernels import CpuKernels
+from kvgate.model.cpu_kernels import CpuKernels, torch_bf16_gemm
 from kvgate.model.linear import LinearFactory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -33,8 +33,4 @@ def upcast_attention(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16 attention matmuls should run in float32 here: on CPUs where PyTorch has no
     fast bf16 matmul (oneDNN needs AVX512-BF16 or AMX for it; without, bf16 matmuls fall
     back to a path ~10x slower than float32)."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return dtype == torch.bfloat16 and device.type == "cpu" and not torch_bf16_gemm()

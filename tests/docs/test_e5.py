@@ -106,9 +106,9 @@ def test_unknown_precision_is_refused(file: E5File) -> None:
 
 
 def test_auto_precision_follows_the_gemms_this_cpu_has(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(e5_encoder, "torch_bf16_gemm", lambda: True)
     assert auto_precision()[0] == "bfloat16"
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(e5_encoder, "torch_bf16_gemm", lambda: False)
     assert auto_precision()[0] == "float32"
 
 

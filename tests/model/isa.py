@@ -13,3 +13,9 @@ from kvgate.model import cpu_isa
 def vector_levels() -> list[str]:
     """Levels with a vector path (not ``generic``) that this CPU can run, lowest first."""
     return [lv for lv in cpu_isa.supported_levels() if lv != "generic"] or ["generic"]
+
+
+def vector_path(level: str) -> str:
+    """The vector path a library built for ``level`` reports (its ``kvgate_isa()``): the
+    ``avx512`` level has no kernels of its own and runs the AVX2 ones."""
+    return "avx512bf16" if level == "avx512bf16" else "avx2"

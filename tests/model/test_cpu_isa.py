@@ -3,6 +3,7 @@ each library reports the vector path it was compiled with."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from kvgate.errors import InvalidConfig
 from kvgate.model import cpu_isa
 from kvgate.model.cpu_kernels import CpuKernels, build_library, load_library
-from tests.model.isa import vector_levels
+from tests.model.isa import vector_levels, vector_path
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 SAPPHIRE = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
@@ -52,7 +53,7 @@ def test_each_library_reports_its_vector_path(level: str) -> None:
         # No vector path: the one fallback rule sends every op to PyTorch.
         assert kernels.paths() == dict.fromkeys(("linear", "attention", "elementwise"), "torch")
         return
-    expected = "avx512bf16" if level == "avx512bf16" else "avx2"
+    expected = vector_path(level)
     libraries = [load_library(name, level) for name in ("linear.c", "fused_ops.c")]
     if any(lib is None for lib in libraries):
         pytest.skip("no C compiler")
@@ -92,3 +93,56 @@ def test_every_level_compiles_here(
         pytest.skip("no C compiler")
     monkeypatch.setenv("KVGATE_KERNEL_CACHE", str(tmp_path))
     assert build_library(source, level) is not None
+
+
+def test_a_forced_level_is_pinned_for_torch_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    levels = cpu_isa.supported_levels()
+    if len(levels) < 2:
+        pytest.skip("one level only here: nothing can be forced below it")
+    monkeypatch.setenv(cpu_isa.ENV, levels[0])
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # set by the user: kept
+    assert cpu_isa.pin_torch_env(env) == {"ATEN_CPU_CAPABILITY": "default"}
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    for not_forced in (levels[-1], "avx9000", ""):  # the best level, a bad value, unset
+        monkeypatch.setenv(cpu_isa.ENV, not_forced)
+        assert cpu_isa.pin_torch_env({}) == {}
+
+
+def test_torch_bf16_is_allowed_at_the_best_level_and_the_avx512_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_isa, "supported_levels", lambda flags=None: cpu_isa.LEVELS)
+    assert [cpu_isa.lets_torch_use_bf16(lv) for lv in cpu_isa.LEVELS] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    # An AVX2 CPU's own best level: oneDNN alone decides (AVX-NE-CONVERT CPUs have bf16).
+    monkeypatch.setattr(cpu_isa, "supported_levels", lambda flags=None: ("generic", "avx2"))
+    assert cpu_isa.lets_torch_use_bf16("avx2")
+
+
+@x86_only
+def test_a_process_forced_to_a_lower_level_sees_torch_at_that_level() -> None:
+    """``import kvgate`` first, as the CLI and the engine process do: ATen dispatches to the
+    forced level's kernels and oneDNN takes no bf16 GEMM below AVX-512."""
+    levels = cpu_isa.supported_levels()
+    lower = "avx2" if "avx512" in levels else "generic"
+    if lower == levels[-1]:
+        pytest.skip("one level only here: nothing can be forced below it")
+    env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ENV[lower]}
+    env[cpu_isa.ENV] = lower
+    code = (
+        "import kvgate, torch\n"
+        "from kvgate.model.cpu_kernels import torch_bf16_gemm\n"
+        "print(torch.backends.cpu.get_cpu_capability(), torch_bf16_gemm(),"
+        " torch.ops.mkldnn._is_mkldnn_bf16_supported())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    capability, ours, onednn = out.stdout.split()
+    assert capability == cpu_isa.TORCH_ENV[lower]["ATEN_CPU_CAPABILITY"].upper()
+    assert (ours, onednn) == ("False", "False")

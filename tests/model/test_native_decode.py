@@ -13,7 +13,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.model import cpu_isa
 from kvgate.model.native_decode import NativeDecode
 from kvgate.sampling_params import SamplingParams
-from tests.model.isa import vector_levels
+from tests.model.isa import vector_levels, vector_path
 
 levels = pytest.mark.parametrize("level", vector_levels())
 
@@ -77,8 +77,8 @@ def test_native_decode_layers_equal_the_per_op_path(
     native = native_eng.model.native_decode
     if native is None:
         pytest.skip("kernels unavailable (no C compiler)")
-    assert isinstance(native, NativeDecode) and native.isa == forced_level
-    assert native_eng.build_info["decode"] == f"layers-{forced_level}"
+    assert isinstance(native, NativeDecode) and native.isa == vector_path(forced_level)
+    assert native_eng.build_info["decode"] == f"layers-{vector_path(forced_level)}"
     calls = []
     run = native.run
     native.run = lambda step, l0, l1: (calls.append((l0, l1)), run(step, l0, l1))[1]  # type: ignore[method-assign]

@@ -355,7 +355,7 @@ def test_build_info_names_the_kernel_path_of_each_op(live_server: LiveServer) ->
     labels = dict(part.split("=") for part in info.split("{")[1].rstrip("}").split(","))
     labels = {key: value.strip('"') for key, value in labels.items()}
     assert labels["isa"] == cpu_isa.default_level()
-    assert {"dtype", "linear", "attention", "elementwise", "decode"} <= set(labels)
+    assert {"dtype", "linear", "attention", "elementwise", "decode", "torch"} <= set(labels)
     assert scrape_metrics(live_server)[info] == 1
 
 
