@@ -2,7 +2,8 @@
 
 Levels, lowest first: ``generic`` (plain C, no vector path), ``avx2`` (AVX2 + FMA + F16C:
 every x86-64 CPU since 2013-2015, AMD EPYC included), ``avx512`` (F/BW/VL/DQ: Skylake-SP,
-Cascade Lake), ``avx512bf16`` (plus AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4).
+Cascade Lake), ``avx512bf16`` (plus AVX512-BF16 and AVX512-VNNI: Cooper Lake, Sapphire
+Rapids, Zen 4).
 
 The level is the best one this CPU has, or the one ``KVGATE_CPU_ISA`` asks for: a lower
 level runs a lower kernel path on a higher machine (how the tests cover every path on
@@ -28,7 +29,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "generic": (),
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512bf16": ("avx512_bf16",),
+    "avx512bf16": ("avx512_bf16", "avx512_vnni"),
 }
 
 #: Compiler target of each level. Named CPUs rather than -march=native, so a library built

@@ -14,7 +14,8 @@ format (``quantization``) and what the compiled library says its vector path is:
   per 32 inputs): ``WidenLinear`` too, as integer dot products: each row of x quantized to
   int16 with one scale, int8 weights widened to int16, ``vpmaddwd``; half the bytes of bf16
   per decoded token, and 3 instructions per 16 multiply-adds where widening int8 to float32
-  took 8 (on the AMD EPYC at one row: 32.3 GFLOP/s against 19.6 widened).
+  took 8 (on the AMD EPYC at one row: 32.3 GFLOP/s against 19.6 widened); with AVX512-VNNI
+  (the avx512bf16 builds) ``vpdpwssd`` fuses the product and the add, same integers.
 - otherwise: oneDNN's pre-packed bf16 weights where oneDNN takes them (bit-identical to
   ``F.linear``); ``F.linear`` for float32 (MKL) and on GPUs.
 
@@ -109,17 +110,27 @@ class PackedCpuLinear:
 
 
 class Bf16DotLinear:
-    """``linear_bf16`` (AVX512-BF16) over a weight packed once: [N / 32, K / 2, 32, 2] bf16."""
+    """``linear_bf16`` (AVX512-BF16) over a weight packed once: [N / 32, K / 2, 32, 2] bf16.
+
+    ``float32_out``: bf16 in, the float32 sums out unrounded (``linear_bf16_f32``: the LM
+    head's logits); else bf16 out, each sum rounded once.
+    """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, library: KernelLibrary
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        library: KernelLibrary,
+        *,
+        float32_out: bool = False,
     ) -> None:
         n, k = weight.shape
         self.out_features, self.in_features = n, k
         # panel p, feature pair j, column c, member i = W[32 p + c, 2 j + i]
         self.packed = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.contiguous() if bias is not None else None
-        self._fn = library.lib.linear_bf16
+        self.float32_out = float32_out
+        self._fn = library.lib.linear_bf16_f32 if float32_out else library.lib.linear_bf16
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
 
@@ -134,7 +145,8 @@ class Bf16DotLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         m = x.shape[0]
-        y = torch.empty((m, self.out_features), dtype=x.dtype, device=x.device)
+        out_dtype = torch.float32 if self.float32_out else x.dtype
+        y = torch.empty((m, self.out_features), dtype=out_dtype, device=x.device)
         if m == 0:
             return y
         bias = self.bias.data_ptr() if self.bias is not None else None
@@ -274,10 +286,14 @@ class LogitsHead:
         self.layer = layer
         self.out_features = layer.out_features
         # float32 in: a WidenLinear built for float32 activations, whose sums stay float32
-        self.float32_sums = isinstance(layer, WidenLinear) and layer.io_dtype == torch.float32
+        self._float_in = isinstance(layer, WidenLinear) and layer.io_dtype == torch.float32
+        # or bf16 in, float32 sums out: linear_bf16_f32
+        self.float32_sums = self._float_in or (
+            isinstance(layer, Bf16DotLinear) and layer.float32_out
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.float32_sums:
+        if self._float_in:
             x = x.float()
         return self.layer(x).float()
 
@@ -340,7 +356,10 @@ class LinearFactory:
         """The kernel most layers get, for logs and ``kvgate:build_info``."""
         lib = self.library
         if self.quantization is not None:
-            where = "avx2" if lib is not None else "dequantized-torch"
+            # the avx512bf16 builds run the AVX2 int8 tiles with vpdpwssd (AVX512-VNNI)
+            where = {None: "dequantized-torch", "avx512bf16": "avx512vnni"}.get(
+                lib.isa if lib is not None else None, "avx2"
+            )
             return f"{self.quantization}-{where}"
         if self.dtype == torch.bfloat16 and lib is not None:
             return f"bf16-{lib.isa}"
@@ -351,16 +370,21 @@ class LinearFactory:
     def logits(self, weight: torch.Tensor) -> LogitsHead:
         """The LM head over ``weight`` [V, H]: hidden states in ``dtype`` -> float32 logits.
 
-        Where a bf16 model's layers run on ``linear_avx2``, the head takes its input as
-        float32 (exactly the values the kernel widens bf16 to) and keeps its float32 sums:
-        rounded to bf16, logits near 32 fall on steps of 0.25 (a 28% step in probability), and
-        two tokens whose float32 sums differ tie, greedy then taking the lower id. Elsewhere
-        (``linear_bf16``, oneDNN, ``F.linear``) the layer's bf16 output is upcast.
+        Where a bf16 model's layers run on a native kernel, the head keeps its float32 sums:
+        on ``linear_avx2`` it takes its input as float32 (exactly the values the kernel
+        widens bf16 to), on ``linear_bf16`` it stores the sums unrounded. Rounded to bf16,
+        logits near 32 fall on steps of 0.25 (a 28% step in probability), and two tokens
+        whose float32 sums differ tie, greedy then taking the lower id. Elsewhere (oneDNN,
+        ``F.linear``) the layer's bf16 output is upcast.
         """
         lib, q = self.library, self.quantization
-        if lib is not None and self.dtype == torch.bfloat16 and self._kernel(weight) == "widen":
+        kernel = self._kernel(weight) if self.dtype == torch.bfloat16 else None
+        if lib is not None and kernel == "widen":
             w = weight.to(self.device)
             return LogitsHead(WidenLinear(w, None, lib, io_dtype=torch.float32, quantization=q))
+        if lib is not None and kernel == "dot":
+            w = weight.to(device=self.device, dtype=torch.bfloat16).contiguous()
+            return LogitsHead(Bf16DotLinear(w, None, lib, float32_out=True))
         return LogitsHead(self(weight, None))
 
     def _kernel(self, weight: torch.Tensor) -> str | None:

@@ -110,6 +110,24 @@ def test_int8_equals_the_dequantized_weights(
         assert ((lin(x).double() - exact).abs() <= summation + rounding + 1e-6).all()
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int8-b32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_with_vnni_is_bit_identical_to_avx2(quantization: str, dtype: torch.dtype) -> None:
+    """The avx512bf16 build's vpdpwssd sums the same int32 integers as the avx2 build's
+    vpmaddwd + vpaddd: a model's int8 outputs do not depend on which of the two runs."""
+    if "avx512bf16" not in vector_levels():
+        pytest.skip("this CPU has no AVX512-BF16/VNNI (the avx2 path is tested above)")
+    torch.manual_seed(9)
+    w = torch.randn(960, 576) * torch.logspace(-2, 1, 960)[:, None]
+    vnni = _factory("avx512bf16", dtype, quantization)
+    assert vnni.path == f"{quantization}-avx512vnni"
+    avx2 = _factory("avx2", dtype, quantization)(w, None)
+    layer = vnni(w, None)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 576).to(dtype) * 10
+        assert torch.equal(layer(x), avx2(x))
+
+
 def test_int8_quantization_is_symmetric_per_channel() -> None:
     w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-254.0, 127.0, 1.0]])
     q, scale = quantize_int8(w)
@@ -161,31 +179,28 @@ def test_without_kernels_int8_still_rounds_the_weights() -> None:
 
 @levels
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_the_logits_head_keeps_float32_sums_where_it_widens(
-    level: str, quantization: str | None
-) -> None:
-    """On ``linear_avx2`` the LM head's float32 sums are its logits (not rounded to bf16, whose
-    steps near 32 make greedy ties); on ``linear_bf16`` its bf16 output is upcast. Either
-    way a row's logits do not depend on its batch."""
+def test_the_logits_head_keeps_float32_sums(level: str, quantization: str | None) -> None:
+    """On either native kernel the LM head's float32 sums are its logits (not rounded to
+    bf16, whose steps near 32 make greedy ties), and a row's logits do not depend on its
+    batch."""
     lib = _library(level)
     torch.manual_seed(5)
     w = torch.randn(960, 576).bfloat16()
     head = _factory(level, q=quantization).logits(w)
-    widens = quantization is not None or lib.isa != "avx512bf16"
-    assert head.float32_sums == widens
+    assert head.float32_sums
+    dot = quantization is None and lib.isa == "avx512bf16"
+    assert isinstance(head.layer, Bf16DotLinear if dot else WidenLinear)
     x = torch.randn(37, 576).bfloat16()
     got = head(x)
     assert got.dtype == torch.float32 and got.shape == (37, 960)
     weights = w if quantization is None else dequantize_int8(*quantize_int8(w))
     exact = x.double() @ weights.double().T
-    if widens:
-        # int8: x is quantized per row to int16 (|error| <= max|x| / 65534 per input)
-        tol = 1e-4 if quantization is None else 2e-2
-        torch.testing.assert_close(got.double(), exact, atol=tol, rtol=1e-5)
-        assert (got != got.bfloat16().float()).float().mean() > 0.9  # not bf16 values
-    else:
-        torch.testing.assert_close(got.double(), exact, atol=1e-2, rtol=2**-7)
-        assert torch.equal(got, got.bfloat16().float())
+    # int8: x is quantized per row to int16 (|error| <= max|x| / 65534 per input)
+    tol = 1e-4 if quantization is None else 2e-2
+    torch.testing.assert_close(got.double(), exact, atol=tol, rtol=1e-5)
+    assert (got != got.bfloat16().float()).float().mean() > 0.9  # not bf16 values
+    if dot:  # the same sums as the bf16 layer's, before its one rounding
+        assert torch.equal(got.bfloat16(), _factory(level)(w, None)(x))
     alone = torch.cat([head(x[i : i + 1]) for i in range(37)])
     assert torch.equal(got, alone)
 

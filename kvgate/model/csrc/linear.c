@@ -35,7 +35,7 @@
 /* One panel, ROWS rows of x starting at x: acc[r][h] is columns 16h..16h+15 of row r. */
 #define DEFINE_TILE(ROWS)                                                                     \
 static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* panel,          \
-                               const uint16_t* bias, uint16_t* y, int64_t N) {                \
+                               const uint16_t* bias, void* y, int64_t N, int f32) {           \
     __m512 acc[ROWS][2];                                                                      \
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();              \
     const uint32_t* xp = (const uint32_t*)x; /* a pair of bf16 as one 32-bit lane */          \
@@ -52,8 +52,13 @@ static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* pan
     for (int r = 0; r < ROWS; ++r) {                                                          \
         __m512 lo = acc[r][0], hi = acc[r][1];                                                \
         if (bias) { lo = _mm512_add_ps(lo, bf16x16_load(bias)); hi = _mm512_add_ps(hi, bf16x16_load(bias + 16)); } \
-        _mm256_storeu_si256((__m256i*)(y + r * N), bf16x16_round(lo));                              \
-        _mm256_storeu_si256((__m256i*)(y + r * N + 16), bf16x16_round(hi));                         \
+        if (f32) {                                                                            \
+            _mm512_storeu_ps((float*)y + r * N, lo);                                          \
+            _mm512_storeu_ps((float*)y + r * N + 16, hi);                                     \
+        } else {                                                                              \
+            _mm256_storeu_si256((__m256i*)((uint16_t*)y + r * N), bf16x16_round(lo));         \
+            _mm256_storeu_si256((__m256i*)((uint16_t*)y + r * N + 16), bf16x16_round(hi));    \
+        }                                                                                     \
     }                                                                                         \
 }
 
@@ -66,15 +71,17 @@ DEFINE_TILE(6)
 DEFINE_TILE(7)
 DEFINE_TILE(8)
 
-typedef void (*tile_fn)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*,
-                        int64_t);
+typedef void (*tile_fn)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, void*,
+                        int64_t, int);
 static const tile_fn TILES[9] = {0, tile_1, tile_2, tile_3, tile_4,
                                  tile_5, tile_6, tile_7, tile_8};
 #endif
 
-/* 0 on success; -1 where this build or these shapes are not handled (caller falls back). */
-int linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
-                int M, int N, int K) {
+/* 0 on success; -1 where this build or these shapes are not handled (caller falls back).
+ * y is bf16 [M, N], or with f32 (linear_bf16_f32) float32 [M, N]: the sums themselves, not
+ * rounded (the LM head's logits). */
+static int linear_bf16_impl(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
+                            void* y, int M, int N, int K, int f32) {
 #ifdef KVGATE_AVX512BF16
     if (K % 2 || N % 32 || M <= 0) return -1;
     const int panels = N / 32;
@@ -88,15 +95,27 @@ int linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uin
         const int tiles = (M + 7) / 8, base = M / tiles, longer = M % tiles;
         for (int t = 0, m = 0; t < tiles; ++t) {
             const int rows = base + (t < longer);
-            TILES[rows](x + (int64_t)m * K, K, panel, b, y + (int64_t)m * N + p * 32, N);
+            const int64_t off = (int64_t)m * N + p * 32;
+            void* yt = f32 ? (void*)((float*)y + off) : (void*)((uint16_t*)y + off);
+            TILES[rows](x + (int64_t)m * K, K, panel, b, yt, N, f32);
             m += rows;
         }
     }
     return 0;
 #else
-    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)f32;
     return -1;
 #endif
+}
+
+int linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                int M, int N, int K) {
+    return linear_bf16_impl(x, wp, bias, y, M, N, K, 0);
+}
+
+int linear_bf16_f32(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, float* y,
+                    int M, int N, int K) {
+    return linear_bf16_impl(x, wp, bias, y, M, N, K, 1);
 }
 
 #ifdef KVGATE_AVX2
@@ -221,6 +240,16 @@ DEFINE_WTILES(bf16, uint16_t)
  * (wtype 2) runs of 32, each times its block's weight scale. */
 #define RUN_PAIRS 128
 
+/* acc += the pair products of w and a, per int32 lane. With AVX512-VNNI (the avx512bf16
+ * builds: Cooper Lake, Sapphire Rapids, Zen 4) one vpdpwssd does vpmaddwd's products and the
+ * add; the int32 sums are the same integers (no pair reaches 2^31, see above), so both
+ * builds give bit-identical outputs. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MADD_ACC(acc, w, a) _mm256_dpwssd_epi32((acc), (w), (a))
+#else
+#define MADD_ACC(acc, w, a) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (a)))
+#endif
+
 #define DEFINE_ITILE(R, P)                                                                     \
 static void itile_##R##_##P(const int16_t* x, int64_t K, const int8_t* w, int64_t pstride,   \
                             const float* gs, int64_t k0, int64_t k1, int more, float* out) { \
@@ -243,8 +272,8 @@ static void itile_##R##_##P(const int16_t* x, int64_t K, const int8_t* w, int64_
                     int32_t pair;                                                             \
                     memcpy(&pair, x + r * K + k, 4);                                          \
                     const __m256i a = _mm256_set1_epi32(pair);                                \
-                    acc[r][p][0] = _mm256_add_epi32(acc[r][p][0], _mm256_madd_epi16(lo, a));  \
-                    acc[r][p][1] = _mm256_add_epi32(acc[r][p][1], _mm256_madd_epi16(hi, a));  \
+                    acc[r][p][0] = MADD_ACC(acc[r][p][0], lo, a);                             \
+                    acc[r][p][1] = MADD_ACC(acc[r][p][1], hi, a);                             \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
