@@ -356,10 +356,10 @@ class LinearFactory:
         """The kernel most layers get, for logs and ``kvgate:build_info``."""
         lib = self.library
         if self.quantization is not None:
-            # the avx512bf16 builds run the AVX2 int8 tiles with vpdpwssd (AVX512-VNNI)
-            where = {None: "dequantized-torch", "avx512bf16": "avx512vnni"}.get(
-                lib.isa if lib is not None else None, "avx2"
-            )
+            if lib is None:
+                where = "dequantized-torch"
+            else:  # the avx512bf16 builds run the AVX2 int8 tiles with vpdpwssd (VNNI)
+                where = "avx512vnni" if lib.isa == "avx512bf16" else "avx2"
             return f"{self.quantization}-{where}"
         if self.dtype == torch.bfloat16 and lib is not None:
             return f"bf16-{lib.isa}"
