@@ -81,6 +81,7 @@ class E5Embedder:
         self.precision = precision
         self._tokenizer = E5Tokenizer(file.vocab)
         self._encoder = E5Encoder(file, precision)
+        self.why += f"; attention {self._encoder.attention}"  # native-<isa> or sdpa
         self.dim = self._encoder.hidden
 
     def passages(self, texts: Sequence[str]) -> np.ndarray:

@@ -47,6 +47,7 @@ _FLAGS = {
         "-fno-trapping-math",
         "-freciprocal-math",
     ],
+    "encoder_attention.c": [*_COMMON, "-fno-math-errno", "-fno-trapping-math"],
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
     "decode_layers.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
     "linear.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
@@ -222,6 +223,46 @@ def load_paged_decode(level: str | None = None) -> PagedDecodeKernel | None:
     """The compiled attention kernels, or None (then PyTorch is used; see ``load_library``)."""
     lib = load_library("paged_decode.c", level)
     return PagedDecodeKernel(lib) if lib else None
+
+
+class EncoderAttentionKernel:
+    """ctypes front of ``encoder_attention.c``: bidirectional attention over packed sequences
+    (the embedder's), bf16 or float32; calls release the GIL."""
+
+    def __init__(self, library: KernelLibrary) -> None:
+        self.isa = library.isa
+        lib = library.lib
+        self._fns = {
+            torch.bfloat16: lib.encoder_attention_bf16,
+            torch.float32: lib.encoder_attention_f32,
+        }
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [*([ctypes.c_void_p] * 3), *([ctypes.c_int] * 3), ctypes.c_float]
+
+    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the kernel takes this case (D % 32 == 0, D <= 256 in the C source)."""
+        return dtype in self._fns and head_dim % 32 == 0 and head_dim <= 256
+
+    def __call__(self, qkv: torch.Tensor, starts: torch.Tensor, heads: int) -> torch.Tensor:
+        """qkv [T, 3 * heads * D] (q | k | v, heads inside each), starts [S + 1] int64 token
+        offsets of the packed sequences -> attention output [T, heads * D], same dtype."""
+        t, width = qkv.shape
+        d = width // (3 * heads)
+        qkv, starts = qkv.contiguous(), starts.contiguous()
+        out = torch.empty(t, heads * d, dtype=qkv.dtype)
+        fn = self._fns[qkv.dtype]
+        rc = fn(qkv.data_ptr(), out.data_ptr(), starts.data_ptr(), starts.numel() - 1, heads, d,
+                d**-0.5)  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"encoder attention kernel refused: heads={heads}, dim={d} ({rc})")
+        return out
+
+
+def load_encoder_attention(level: str | None = None) -> EncoderAttentionKernel | None:
+    """The compiled encoder attention (``encoder_attention.c``), or None: PyTorch's."""
+    lib = load_library("encoder_attention.c", level)
+    return EncoderAttentionKernel(lib) if lib else None
 
 
 def load_fused_ops_lib(level: str | None = None) -> KernelLibrary | None:

@@ -91,11 +91,18 @@ class TorchLinear:
 
 
 class PackedCpuLinear:
-    """oneDNN linear over a weight re-laid out once at load time (CPU, bf16)."""
+    """oneDNN linear over a weight re-laid out once at load time (CPU, bf16).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    ``gelu``: GELU (erf) fused into the GEMM as oneDNN's post-op; on a bf16 [4096, 384] x
+    [384, 1536] (the embedder's FFN) 26 ms against 38 ms for F.linear then F.gelu (2 Zen 4
+    cores)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False
+    ) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
+        self._post_op, self._algorithm = ("gelu", "none") if gelu else ("none", "")
         self.out_features = weight.shape[0]
         self._bytes = _nbytes(weight, bias)
 
@@ -104,7 +111,7 @@ class PackedCpuLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, "none", [], ""
+            x, self.packed, self.bias, self._post_op, [], self._algorithm
         )
         return out
 
@@ -301,7 +308,7 @@ class LogitsHead:
         return self.layer.weight_bytes()
 
 
-def _onednn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Probe the private oneDNN ops once: present, and equal to F.linear on a small case
     (on CPUs without AVX512BW or AVX-NE-CONVERT oneDNN refuses bf16 weights)."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -348,7 +355,7 @@ class LinearFactory:
             device,
             library if cpu else None,
             quantization,
-            onednn=cpu and _onednn_packs(dtype),
+            onednn=cpu and onednn_packs(dtype),
         )
 
     @property

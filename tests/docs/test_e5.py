@@ -94,6 +94,20 @@ def test_bfloat16_stays_near_float32(file: E5File, fp32: E5Embedder) -> None:
     assert cos.min() > 0.99, cos
 
 
+@pytest.mark.parametrize("precision", e5_encoder.PRECISIONS)
+def test_the_attention_kernel_gives_sdpas_vectors(
+    file: E5File, fp32: E5Embedder, precision: str
+) -> None:
+    native = E5Encoder(file, precision)
+    if native.attention == "sdpa":
+        pytest.skip("no encoder attention kernel on this machine (no AVX2 or no compiler)")
+    plain = E5Encoder(file, precision, native_attention=False)
+    assert plain.attention == "sdpa"
+    ids = fp32._tokenizer.content([f"passage: {t}" for t in [*TEXTS, LONG]])
+    cos = (native.embed(ids) * plain.embed(ids)).sum(1)
+    assert cos.min() > (0.99999 if precision == "float32" else 0.9995), cos
+
+
 def test_the_servers_choices_are_the_encoders() -> None:
     from kvgate.server.config import EMBED_PRECISIONS
 

@@ -16,6 +16,7 @@ from kvgate.model.linear import (
     TorchLinear,
     WidenLinear,
     dequantize_int8,
+    onednn_packs,
     quantize_int8,
 )
 from tests.model.isa import vector_levels
@@ -212,3 +213,16 @@ def test_without_kernels_the_logits_head_upcasts() -> None:
     assert not head.float32_sums
     x = torch.randn(3, 32).bfloat16()
     assert torch.equal(head(x), F.linear(x, w.bfloat16()).float())
+
+
+def test_the_packed_linear_fuses_gelu_as_gelu_after_linear() -> None:
+    if not onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU (or at this forced level)")
+    torch.manual_seed(0)
+    w, b = (torch.randn(96, 64) / 8).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(37, 64).to(torch.bfloat16)
+    exact = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    fused = PackedCpuLinear(w, b, gelu=True)(x)
+    # one bf16 rounding of the output (2^-8 relative), where F.gelu(F.linear) rounds twice
+    torch.testing.assert_close(fused.double(), exact, atol=1e-2, rtol=2**-8)
+    assert torch.equal(PackedCpuLinear(w, b)(x), F.linear(x, w, b))
