@@ -2,11 +2,12 @@
 
 One file into one store: its text (extracted once, kept), its chunks, their vectors and BM25
 terms, written to the store's database, then its status. The work runs in a child process
-at the OS priority of ingestion's class (nice 19 for ``batch``, 10 for ``standard``, 0 for
-``critical``): parsing, jieba and the embedder never hold the server's GIL, and the engine's
-threads win the cores whenever they want them. The child reads and writes the same database
-(SQLite in WAL mode, or PostgreSQL) and tells the server each job's end, so the server
-brings the indexes it keeps up to date. Measured with bench/longdoc_serving.py: see the README.
+at the OS priority of ingestion's class (``batch``: Linux's ``SCHED_IDLE`` policy at nice 19,
+``standard``: nice 10, ``critical``: nice 0): parsing, jieba and the embedder never hold the
+server's GIL, and the engine's threads win the cores whenever they want them. The child
+reads and writes the same database (SQLite in WAL mode, or PostgreSQL) and tells the server
+each job's end, so the server brings the indexes it keeps up to date. Measured with
+bench/longdoc_serving.py: see the README.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ log = logging.getLogger("kvgate.docs")
 
 #: OS nice value of the ingestion process, by the priority class of its tenant.
 NICE = {"critical": 0, "standard": 10, "batch": 19}
+#: Classes whose ingestion runs under ``SCHED_IDLE``: only on a core nothing else wants, and
+#: preempted at once by any normal thread that wakes there (nice 19 alone still gets a share,
+#: and a woken engine thread may wait for the scheduler's slice to end).
+IDLE = frozenset({"batch"})
 #: ``auto`` chunking: the cap (embedder tokens) and the overlap where a unit is longer.
 AUTO_MAX_TOKENS = 512
 AUTO_OVERLAP_TOKENS = 64
@@ -118,10 +123,29 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
     )  # fmt: skip
 
 
+def lower_priority(priority: str) -> str:
+    """Put this thread (and the threads it starts from now on, which inherit it) at the OS
+    priority of ``priority``'s class; says what it got."""
+    nice = NICE.get(priority, NICE["batch"])
+    got = []
+    try:
+        got.append(f"nice {os.nice(nice)}")  # an increment, as a child of the server
+    except OSError:
+        log.warning("ingestion: could not lower its priority to nice %d", nice)
+    idle = getattr(os, "SCHED_IDLE", None)  # Linux only
+    if priority in IDLE and idle is not None:
+        try:
+            os.sched_setscheduler(0, idle, os.sched_param(0))
+            got.append("SCHED_IDLE")
+        except OSError:
+            log.warning("ingestion: could not set SCHED_IDLE")
+    return ", ".join(got) or "unchanged"
+
+
 def _child(
     where: tuple[str, str | None],
     embedder: Callable[[], Embedder],
-    nice: int,
+    priority: str,
     jobs: multiprocessing.Queue[Job | None],
     done: multiprocessing.Queue[Job],
 ) -> None:
@@ -129,16 +153,13 @@ def _child(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        os.nice(nice)
-    except OSError:
-        log.warning("ingestion: could not lower its priority to nice %d", nice)
+    got = lower_priority(priority)  # before torch starts its threads: they inherit it
     import torch
 
     torch.set_num_threads(THREADS)
     store = DocStore(*where)
     model = embedder()
-    log.info("ingestion: embedder %s, %d threads, nice %d", described(model), THREADS, nice)
+    log.info("ingestion: embedder %s, %d threads, %s", described(model), THREADS, got)
     while (job := jobs.get()) is not None:
         ingest(store, model, *job)
         done.put(job)
@@ -165,7 +186,7 @@ class IngestProcess:
     ) -> None:
         """``where``: the store's directory and URL (``DocStore``'s arguments); ``embedder``
         must pickle (a class, or a ``functools.partial`` of one)."""
-        self._args = (where, embedder, NICE.get(priority, 19))
+        self._args = (where, embedder, priority)
         self._on_done = on_done
         self._on_lost = on_lost
         self._context = multiprocessing.get_context("spawn")

@@ -3,7 +3,8 @@
 Levels, lowest first: ``generic`` (plain C, no vector path), ``avx2`` (AVX2 + FMA + F16C:
 every x86-64 CPU since 2013-2015, AMD EPYC included), ``avx512`` (F/BW/VL/DQ: Skylake-SP,
 Cascade Lake), ``avx512bf16`` (plus AVX512-BF16 and AVX512-VNNI: Cooper Lake, Sapphire
-Rapids, Zen 4).
+Rapids, Zen 4), ``amx`` (plus AMX-TILE and AMX-BF16: Sapphire Rapids and later Xeons; the bf16
+linear runs on AMX tiles, every other op as at ``avx512bf16``).
 
 The level is the best one this CPU has, or the one ``KVGATE_CPU_ISA`` asks for: a lower
 level runs a lower kernel path on a higher machine (how the tests cover every path on
@@ -22,7 +23,7 @@ import platform
 
 from kvgate.errors import InvalidConfig
 
-LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+LEVELS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 
 #: /proc/cpuinfo flags each level needs (each level needs those of the levels below too).
 _FLAGS: dict[str, tuple[str, ...]] = {
@@ -30,6 +31,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512_bf16", "avx512_vnni"),
+    "amx": ("amx_tile", "amx_bf16"),
 }
 
 #: Compiler target of each level. Named CPUs rather than -march=native, so a library built
@@ -39,6 +41,7 @@ MARCH: dict[str, tuple[str, ...]] = {
     "avx2": ("-march=haswell", "-mtune=generic"),
     "avx512": ("-march=skylake-avx512", "-mtune=generic"),
     "avx512bf16": ("-march=cooperlake", "-mtune=generic"),
+    "amx": ("-march=sapphirerapids", "-mtune=generic"),
 }
 
 ENV = "KVGATE_CPU_ISA"
@@ -52,6 +55,7 @@ TORCH_ENV: dict[str, dict[str, str]] = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
 }
 
 

@@ -105,7 +105,8 @@ class KernelLibrary:
     """One compiled source, built for one ISA level.
 
     ``isa`` is what the library itself says its vector path was compiled for
-    (``kvgate_isa()``: ``avx512bf16``, ``avx2`` or ``generic``), not a guess from flags.
+    (``kvgate_isa()``: ``amx`` (the linear only), ``avx512bf16``, ``avx2`` or ``generic``),
+    not a guess from flags.
     """
 
     source: str

@@ -116,8 +116,14 @@ class PackedCpuLinear:
         return out
 
 
+#: Vector paths of ``linear.c`` that have ``linear_bf16``: vdpbf16ps, or AMX tiles over the
+#: same packed weights (where K % 32 == 0; vdpbf16ps otherwise).
+BF16_DOT_ISAS = ("avx512bf16", "amx")
+
+
 class Bf16DotLinear:
-    """``linear_bf16`` (AVX512-BF16) over a weight packed once: [N / 32, K / 2, 32, 2] bf16.
+    """``linear_bf16`` (AVX512-BF16, or AMX) over a weight packed once: [N / 32, K / 2, 32, 2]
+    bf16.
 
     ``float32_out``: bf16 in, the float32 sums out unrounded (``linear_bf16_f32``: the LM
     head's logits); else bf16 out, each sum rounded once.
@@ -366,7 +372,7 @@ class LinearFactory:
             if lib is None:
                 where = "dequantized-torch"
             else:  # the avx512bf16 builds run the AVX2 int8 tiles with vpdpwssd (VNNI)
-                where = "avx512vnni" if lib.isa == "avx512bf16" else "avx2"
+                where = "avx512vnni" if lib.isa in BF16_DOT_ISAS else "avx2"
             return f"{self.quantization}-{where}"
         if self.dtype == torch.bfloat16 and lib is not None:
             return f"bf16-{lib.isa}"
@@ -404,7 +410,7 @@ class LinearFactory:
             return "widen" if WidenLinear.supports(weight, dtype, q) else None
         if dtype != torch.bfloat16:
             return None
-        if lib.isa == "avx512bf16" and Bf16DotLinear.supports(weight):
+        if lib.isa in BF16_DOT_ISAS and Bf16DotLinear.supports(weight):
             return "dot"
         return "widen" if WidenLinear.supports(weight, dtype) else None
 

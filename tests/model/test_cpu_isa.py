@@ -18,7 +18,8 @@ from tests.model.isa import vector_levels, vector_path
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 SKYLAKE_SP = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-SAPPHIRE = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "amx_tile"}
+COOPER_LAKE = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni"}  # Zen 4 too
+SAPPHIRE = COOPER_LAKE | {"amx_tile", "amx_bf16", "amx_int8"}
 
 x86_only = pytest.mark.skipif(not cpu_isa.is_x86(), reason="ISA levels are x86 levels")
 
@@ -30,7 +31,9 @@ def test_levels_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_isa.supported_levels(AVX2_ONLY) == ("generic", "avx2")
     assert cpu_isa.supported_levels(SKYLAKE_SP) == ("generic", "avx2", "avx512")
     assert cpu_isa.supported_levels(SAPPHIRE) == cpu_isa.LEVELS
-    assert cpu_isa.select_level(None, SAPPHIRE) == "avx512bf16"
+    assert cpu_isa.select_level(None, SAPPHIRE) == "amx"
+    assert cpu_isa.select_level(None, COOPER_LAKE) == "avx512bf16"
+    assert cpu_isa.select_level("avx512bf16", SAPPHIRE) == "avx512bf16"
     assert cpu_isa.select_level("avx2", SAPPHIRE) == "avx2"  # forced lower: allowed
     # bf16 without VNNI (no such CPU shipped): the int8 kernels of that level need both
     assert cpu_isa.supported_levels(SAPPHIRE - {"avx512_vnni"})[-1] == "avx512"
@@ -55,11 +58,10 @@ def test_each_library_reports_its_vector_path(level: str) -> None:
         # No vector path: the one fallback rule sends every op to PyTorch.
         assert kernels.paths() == dict.fromkeys(("linear", "attention", "elementwise"), "torch")
         return
-    expected = vector_path(level)
     libraries = [load_library(name, level) for name in ("linear.c", "fused_ops.c")]
     if any(lib is None for lib in libraries):
         pytest.skip("no C compiler")
-    assert kernels.paths() == dict.fromkeys(("linear", "attention", "elementwise"), expected)
+    assert kernels.paths() == {op: vector_path(level, op) for op in kernels.paths()}
 
 
 def test_vector_levels_are_what_this_cpu_runs() -> None:
@@ -117,6 +119,7 @@ def test_torch_bf16_is_allowed_at_the_best_level_and_the_avx512_ones(
     assert [cpu_isa.lets_torch_use_bf16(lv) for lv in cpu_isa.LEVELS] == [
         False,
         False,
+        True,
         True,
         True,
     ]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvgate.model.cpu_kernels import KernelLibrary, load_linear_lib
 from kvgate.model.linear import (
+    BF16_DOT_ISAS,
     Bf16DotLinear,
     Linear,
     LinearFactory,
@@ -129,6 +130,32 @@ def test_int8_with_vnni_is_bit_identical_to_avx2(quantization: str, dtype: torch
         assert torch.equal(layer(x), avx2(x))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_tiles_agree_with_vdpbf16ps_within_rounding(with_bias: bool) -> None:
+    """The amx build's tiles sum in AMX's order, not vdpbf16ps's: the same products, so the
+    two agree to float32 rounding before the one bf16 rounding; a layer whose K is not a
+    multiple of 32 (no whole tile) runs the vdpbf16ps path itself, bit for bit."""
+    if "amx" not in vector_levels():
+        pytest.skip("this CPU has no AMX-BF16 (its vdpbf16ps and AVX2 paths are tested above)")
+    amx, dot = _factory("amx"), _factory("avx512bf16")
+    assert amx.path == "bf16-amx" and dot.path == "bf16-avx512bf16"
+    torch.manual_seed(21)
+    for n, k in ((960, 576), (576, 1536), (64, 96)):
+        w = torch.randn(n, k).bfloat16()
+        b = torch.randn(n).bfloat16() if with_bias else None
+        tiles, pairs = amx(w, b), dot(w, b)
+        for rows in (1, 15, 16, 17, 32, 33, 70):
+            x = torch.randn(rows, k).bfloat16()
+            got, ref = tiles(x), pairs(x)
+            # each side is within half a bf16 ulp of its float32 sum: at most one ulp apart
+            ulp = ref.float().abs() * 2**-7 + 2e-3  # (+ float32 sums of ~40 differing near 0)
+            assert ((got.float() - ref.float()).abs() <= ulp).all()
+            assert (got == ref).float().mean() > 0.9
+    w = torch.randn(64, 48).bfloat16()  # K = 48: no whole tile of 32 inputs
+    x = torch.randn(5, 48).bfloat16()
+    assert torch.equal(amx(w, None)(x), dot(w, None)(x))
+
+
 def test_int8_quantization_is_symmetric_per_channel() -> None:
     w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-254.0, 127.0, 1.0]])
     q, scale = quantize_int8(w)
@@ -156,7 +183,7 @@ def test_the_factory_picks_by_the_library_and_shape(level: str) -> None:
     # Columns not a multiple of 16: no native layout, so oneDNN where it packs bf16, else torch.
     odd = bf16(torch.randn(40, 64), None)
     assert isinstance(odd, PackedCpuLinear if bf16.onednn else TorchLinear)
-    expected = Bf16DotLinear if lib.isa == "avx512bf16" else WidenLinear
+    expected = Bf16DotLinear if lib.isa in BF16_DOT_ISAS else WidenLinear
     assert isinstance(bf16(torch.randn(64, 64), None), expected)
     assert bf16.path == f"bf16-{lib.isa}"
     assert isinstance(_factory(level, torch.float32)(torch.randn(64, 64), None), TorchLinear)
@@ -189,7 +216,7 @@ def test_the_logits_head_keeps_float32_sums(level: str, quantization: str | None
     w = torch.randn(960, 576).bfloat16()
     head = _factory(level, q=quantization).logits(w)
     assert head.float32_sums
-    dot = quantization is None and lib.isa == "avx512bf16"
+    dot = quantization is None and lib.isa in BF16_DOT_ISAS
     assert isinstance(head.layer, Bf16DotLinear if dot else WidenLinear)
     x = torch.randn(37, 576).bfloat16()
     got = head(x)

@@ -1,6 +1,9 @@
 /* The vector path a kernel library is compiled with, chosen by the compiler target alone
  * (-march per level, see model/cpu_isa.py), and reported back to Python by kvgate_isa().
  *
+ *   KVGATE_AMX         AMX-TILE + AMX-BF16 (Sapphire Rapids and later), on top of AVX512-BF16:
+ *                      tdpbf16ps on 16 x 16 tiles. Only linear.c has a path of its own here;
+ *                      the other libraries of the amx level run, and report, avx512bf16.
  *   KVGATE_AVX512BF16  AVX512F + AVX512-BF16: vdpbf16ps on bf16 pairs, 16 fp32 lanes
  *   KVGATE_AVX2        AVX2 + FMA: 8 fp32 lanes, bf16 widened in registers. Also defined in
  *                      the AVX-512 builds (those CPUs run AVX2), where an op has no
@@ -15,6 +18,10 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVGATE_AVX512BF16 1
+#endif
+
+#if defined(KVGATE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVGATE_AMX 1
 #endif
 
 #if defined(KVGATE_AVX512BF16)
