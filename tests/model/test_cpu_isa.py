@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvgate.errors import InvalidConfig
 from kvgate.model import cpu_isa
@@ -105,7 +106,9 @@ def test_a_forced_level_is_pinned_for_torch_too(monkeypatch: pytest.MonkeyPatch)
         pytest.skip("one level only here: nothing can be forced below it")
     monkeypatch.setenv(cpu_isa.ENV, levels[0])
     env = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # set by the user: kept
-    assert cpu_isa.pin_torch_env(env) == {"ATEN_CPU_CAPABILITY": "default"}
+    assert cpu_isa.pin_torch_env(env) == {
+        k: v for k, v in cpu_isa.TORCH_ENV[levels[0]].items() if k != "ONEDNN_MAX_CPU_ISA"
+    }
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     for not_forced in (levels[-1], "avx9000", ""):  # the best level, a bad value, unset
         monkeypatch.setenv(cpu_isa.ENV, not_forced)
@@ -138,9 +141,12 @@ def test_a_process_forced_to_a_lower_level_sees_torch_at_that_level() -> None:
         pytest.skip("one level only here: nothing can be forced below it")
     env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ENV[lower]}
     env[cpu_isa.ENV] = lower
+    env["MKL_VERBOSE"] = "1"  # MKL names the instruction set it runs at its first call
     code = (
         "import kvgate, torch\n"
         "from kvgate.model.cpu_kernels import torch_bf16_gemm\n"
+        "x = torch.randn(64, 64)\n"
+        "x @ x\n"
         "print(torch.backends.cpu.get_cpu_capability(), torch_bf16_gemm(),"
         " torch.ops.mkldnn._is_mkldnn_bf16_supported())"
     )
@@ -148,6 +154,9 @@ def test_a_process_forced_to_a_lower_level_sees_torch_at_that_level() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    capability, ours, onednn = out.stdout.split()
+    capability, ours, onednn = out.stdout.strip().splitlines()[-1].split()
     assert capability == cpu_isa.TORCH_ENV[lower]["ATEN_CPU_CAPABILITY"].upper()
     assert (ours, onednn) == ("False", "False")
+    if torch.backends.mkl.is_available():  # float32 GEMMs at the forced level too
+        mkl = {"avx2": "(Intel(R) AVX2) enabled", "generic": "(Intel(R) SSE4.2) enabled"}
+        assert mkl[lower] in out.stdout, out.stdout[:300]
