@@ -33,18 +33,18 @@ def _in_child(priority: str) -> tuple[str, int, int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
-def test_batch_ingestion_runs_under_sched_idle_and_its_threads_inherit_it() -> None:
+@pytest.mark.parametrize(
+    ("priority", "nice", "policy"),
+    [("batch", 19, "SCHED_IDLE"), ("standard", 10, "SCHED_OTHER"), ("critical", 0, "SCHED_OTHER")],
+)
+def test_ingestion_runs_at_its_class_priority_and_its_threads_inherit_it(
+    priority: str, nice: int, policy: str
+) -> None:
+    """``batch`` runs under SCHED_IDLE (only on a core nothing else wants), the others keep
+    the normal policy at their nice value; threads started afterwards, as PyTorch's are,
+    inherit it."""
     base = os.nice(0)
-    got, nice, policy, thread_policy = _in_child("batch")
-    assert policy == os.SCHED_IDLE and thread_policy == os.SCHED_IDLE
-    assert nice == min(base + 19, 19)
-    assert "SCHED_IDLE" in got and f"nice {nice}" in got
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
-def test_standard_ingestion_is_niced_but_keeps_the_normal_policy() -> None:
-    base = os.nice(0)
-    got, nice, policy, thread_policy = _in_child("standard")
-    assert policy == os.SCHED_OTHER and thread_policy == os.SCHED_OTHER
-    assert nice == min(base + 10, 19)
-    assert got == f"nice {nice}"
+    got, niced, got_policy, thread_policy = _in_child(priority)
+    assert got_policy == thread_policy == getattr(os, policy)
+    assert niced == min(base + nice, 19)
+    assert got == f"nice {niced}" + (", SCHED_IDLE" if policy == "SCHED_IDLE" else "")
