@@ -123,19 +123,21 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
     )  # fmt: skip
 
 
-def lower_priority(priority: str) -> str:
-    """Put this thread (and the threads it starts from now on, which inherit it) at the OS
-    priority of ``priority``'s class; says what it got."""
+def lower_priority(priority: str, pid: int = 0) -> str:
+    """Put thread ``pid`` (0: this one; a process's pid: its main thread) at the OS priority of
+    ``priority``'s class, and so the threads it starts from then on, which inherit it; never
+    above the priority it has. Says what it got."""
     nice = NICE.get(priority, NICE["batch"])
     got = []
     try:
-        got.append(f"nice {os.nice(nice)}")  # an increment, as a child of the server
+        os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid), nice))
+        got.append(f"nice {os.getpriority(os.PRIO_PROCESS, pid)}")
     except OSError:
         log.warning("ingestion: could not lower its priority to nice %d", nice)
     idle = getattr(os, "SCHED_IDLE", None)  # Linux only
     if priority in IDLE and idle is not None:
         try:
-            os.sched_setscheduler(0, idle, os.sched_param(0))
+            os.sched_setscheduler(pid, idle, os.sched_param(0))
             got.append("SCHED_IDLE")
         except OSError:
             log.warning("ingestion: could not set SCHED_IDLE")
@@ -153,7 +155,7 @@ def _child(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    got = lower_priority(priority)  # before torch starts its threads: they inherit it
+    got = lower_priority(priority)  # (again) before torch starts its threads: they inherit it
     import torch
 
     torch.set_num_threads(THREADS)
@@ -187,6 +189,7 @@ class IngestProcess:
         """``where``: the store's directory and URL (``DocStore``'s arguments); ``embedder``
         must pickle (a class, or a ``functools.partial`` of one)."""
         self._args = (where, embedder, priority)
+        self._priority = priority
         self._on_done = on_done
         self._on_lost = on_lost
         self._context = multiprocessing.get_context("spawn")
@@ -214,6 +217,10 @@ class IngestProcess:
             name="kvgate-ingest", daemon=True,
         )  # fmt: skip
         self._proc.start()
+        # At once, from here: the child's start (a new interpreter importing kvgate, then the
+        # embedder's weights) is seconds of CPU that would otherwise run at the server's
+        # priority, beside the chats, before the child's own call below.
+        lower_priority(self._priority, self._proc.pid)
         self._listener = threading.Thread(
             target=self._listen, args=(self._proc, self._done), name="kvgate-ingest-ends",
             daemon=True,

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import sys
 import threading
+from typing import Any
 
 import pytest
 
@@ -46,5 +47,28 @@ def test_ingestion_runs_at_its_class_priority_and_its_threads_inherit_it(
     base = os.nice(0)
     got, niced, got_policy, thread_policy = _in_child(priority)
     assert got_policy == thread_policy == getattr(os, policy)
-    assert niced == min(base + nice, 19)
+    assert niced == max(base, nice)
     assert got == f"nice {niced}" + (", SCHED_IDLE" if policy == "SCHED_IDLE" else "")
+
+
+def _wait_and_report(go: Any, out: multiprocessing.Queue[tuple[int, int]]) -> None:
+    go.wait(60)
+    out.put((os.nice(0), os.sched_getscheduler(0)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+def test_the_server_lowers_a_child_it_started_from_outside() -> None:
+    """What ``IngestProcess`` does right after starting the child: the child's start-up
+    (imports, the embedder's weights) then already runs at the class's priority."""
+    context = multiprocessing.get_context("spawn")
+    go = context.Event()
+    out: multiprocessing.Queue[tuple[int, int]] = context.Queue()
+    proc = context.Process(target=_wait_and_report, args=(go, out))
+    proc.start()
+    try:
+        assert "SCHED_IDLE" in lower_priority("batch", proc.pid)
+        go.set()
+        assert out.get(timeout=60) == (19, os.SCHED_IDLE)
+    finally:
+        proc.join(10)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller keeps its own

@@ -128,20 +128,24 @@ def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
     port = _free_port()
     proc = _serve(
         "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
-        "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--shutdown-timeout", "60",
+        "--kv-cache-memory", "16MiB", "--max-model-len", "2048", "--shutdown-timeout", "60",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     lines: list[str] = []
     started = threading.Event()
 
     def stream() -> None:
-        body = {"prompt": "a b c", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        # Long enough that the server is still generating when /health is asked: the tiny
+        # model makes a token in about a millisecond on a fast core, and a slow reader alone
+        # does not hold the request (the socket buffers take a few hundred short events).
+        body = {"prompt": "a b c", "max_tokens": 1800, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
                     started.set()
-                    time.sleep(0.02)  # a slow reader: the stream outlasts the signal
+                    if len(lines) < 100:
+                        time.sleep(0.02)  # a slow reader at first, then as fast as it can
 
     try:
         _wait_healthy(proc, url)
@@ -162,6 +166,7 @@ def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate(timeout=30)  # reaped and its pipe closed, even after a failure
     assert lines[-1] == "data: [DONE]" and len(lines) > 100  # the stream was not cut
     assert proc.returncode == 0
     assert "draining" in out and "drained" in out and "Traceback" not in out
