@@ -8,6 +8,13 @@ p50/p90/p99, and output tokens/s over the run's wall time. Both servers are up f
 run (idle, a server uses no CPU) and the runs alternate between them, kvgate first, then the
 peer, scenario by scenario.
 
+Each scenario also prints its linear work (the FLOPs of every prompt and output token through
+the model's projections and LM head) and, per server, the rate at which it got through it, next
+to this CPU's float32 GEMM rate (PyTorch's ``F.linear`` on the model's shapes, 512 rows,
+measured after the servers stop). Where float32 FMAs are the fastest arithmetic the CPU has
+(AVX2 without AVX512-BF16 or AMX: bf16 and int8 weights are widened to it), that rate bounds
+every server, so the share of it says how much headroom a faster kernel could still find.
+
 The peer is llama-server built from the llama-cpp-python sdist's vendored llama.cpp
 (``bench/peers/build_llama_cpp.sh``), with ``-np`` equal to the concurrency and ``-cb``, on
 SmolLM2 converted to GGUF bf16 by llama.cpp's own converter from the same dequantized weights
@@ -17,6 +24,7 @@ kvgate serves. Both get the same number of threads.
     python bench/serving.py --rates 1 --concurrency 8 --num-requests 16 --no-peer
     python bench/serving.py --rates --kvgate bf16=--dtype=bfloat16 \
         --kvgate int8=--quantization=int8 --peer bf16 --peer q8_0 --peer q4_1
+    python bench/serving.py --rates --repeats 3 --peer bf16   # medians of 3 runs in turn
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import export_for_peers
 
 from kvgate.model import cpu_isa
-from kvgate.model.gguf_loader import load_gguf_tokenizer
+from kvgate.model.gguf_loader import load_gguf, load_gguf_tokenizer
 from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,6 +141,53 @@ def build_peer(python: str, weights: str) -> tuple[str, Path]:
     binary = out.stdout.strip().splitlines()[-1]
     print(f"llama-server {weights}: {binary} (its build dir names the vector set)", flush=True)
     return binary, gguf
+
+
+@dataclass(frozen=True)
+class LinearWork:
+    """Multiply-adds per token of a model's projections (``body``) and LM head (``head``)."""
+
+    body: int
+    head: int
+
+    @classmethod
+    def of_model(cls, model: str) -> LinearWork:
+        ckpt = load_gguf(resolve_model_path(model))
+        head_name = "lm_head.weight" if "lm_head.weight" in ckpt.weights else None
+        head = ckpt.weights[head_name or "model.embed_tokens.weight"].numel()
+        body = sum(
+            t.numel()
+            for name, t in ckpt.weights.items()
+            if ".layers." in name and name.endswith("proj.weight")
+        )
+        return cls(body=body, head=head)
+
+    def flops(self, prompt_tokens: int, output_tokens: int, requests: int) -> float:
+        """Every prompt token and every output token but each request's last go through the
+        body; every output token comes from one LM head row (2 FLOPs per multiply-add)."""
+        tokens = prompt_tokens + output_tokens - requests
+        return 2.0 * (self.body * tokens + self.head * output_tokens)
+
+
+def gemm_rate(model: str, threads: int, rows: int = 512) -> float:
+    """This CPU's float32 GEMM rate in FLOP/s on the model's projection shapes (best of 3)."""
+    ckpt = load_gguf(resolve_model_path(model))
+    shapes = {
+        tuple(t.shape)
+        for name, t in ckpt.weights.items()
+        if ".layers.0." in name and name.endswith("proj.weight")
+    }
+    torch.set_num_threads(threads)
+    weights = [torch.randn(*shape) for shape in sorted(shapes)]
+    x = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    best = float("inf")
+    for _ in range(4):  # the first is a warm-up
+        t = time.perf_counter()
+        for _ in range(5):
+            for w in weights:
+                F.linear(x[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t)
+    return 5 * sum(2 * rows * w.numel() for w in weights) / best
 
 
 def make_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[str]:
@@ -263,6 +320,19 @@ def summarize(results: list[Result], wall: float) -> dict[str, Any]:
     return s
 
 
+def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repeated runs of one scenario; counts summed over them."""
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        if key in ("completed", "failed"):
+            out[key] = sum(r[key] for r in runs)
+        elif key == "errors":
+            out[key] = sorted({e for r in runs for e in r[key]})[:3]
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def fmt_row(server: str, s: dict[str, Any]) -> str:
     ms = 1000.0
     return (
@@ -299,6 +369,9 @@ def main() -> None:
         default=None,
         choices=PEER_WEIGHTS,
         help="llama-server weights (repeatable; default bf16)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs per scenario and server (medians reported)"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -338,24 +411,52 @@ def main() -> None:
             f"{a.output_len} output tokens, streaming /v1/completions, greedy, ignore_eos"
         )
         report: dict[str, dict[str, Any]] = {}
+        tokenizer = load_gguf_tokenizer(resolve_model_path(DEFAULT_MODEL))
+        work = LinearWork.of_model(DEFAULT_MODEL)
         for i, (title, rate, n) in enumerate(scenarios):
-            prompts = make_prompts(n, (a.prompt_len[0], a.prompt_len[1]), seed=a.seed + i)
             print(f"\n{title} ({n} requests)", flush=True)
-            report[title] = {}
-            for server in servers:
-                results, wall = asyncio.run(
-                    run_load(
-                        server.url, prompts, a.output_len,
-                        rate=rate, concurrency=a.concurrency, seed=a.seed + i,
-                    )
-                )  # fmt: skip
-                s = summarize(results, wall)
-                report[title][server.name] = s
-                print(fmt_row(server.name, s), flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {server.name: [] for server in servers}
+            for repeat in range(a.repeats):  # servers in turn, so noise hits each alike
+                # fresh prompts per repeat: no server may answer from its prefix cache
+                seed = a.seed + i + 1000 * repeat
+                prompts = make_prompts(n, (a.prompt_len[0], a.prompt_len[1]), seed=seed)
+                prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+                flops = work.flops(prompt_tokens, n * a.output_len, n)
+                print(
+                    f"  {prompt_tokens} prompt tokens; linear work {flops / 1e12:.2f} TFLOP",
+                    flush=True,
+                )
+                for server in servers:
+                    results, wall = asyncio.run(
+                        run_load(
+                            server.url, prompts, a.output_len,
+                            rate=rate, concurrency=a.concurrency, seed=seed,
+                        )
+                    )  # fmt: skip
+                    runs[server.name].append(summarize(results, wall) | {"flop_s": flops / wall})
+                    label = server.name if a.repeats == 1 else f"{server.name} #{repeat + 1}"
+                    print(fmt_row(label, runs[server.name][-1]), flush=True)
+            report[title] = {name: median_summary(r) for name, r in runs.items()}
+            if a.repeats > 1:
+                print(f"  median of {a.repeats} runs:")
+                for name, s in report[title].items():
+                    print(fmt_row(name, s), flush=True)
     finally:
         for server in ours + peers:
             server.stop()
 
+    rate_fp32 = gemm_rate(DEFAULT_MODEL, a.threads)
+    print(
+        f"\nlinear work per second of wall time, against this CPU's float32 GEMM rate "
+        f"({rate_fp32 / 1e9:.0f} GFLOP/s: F.linear on the model's shapes, 512 rows, "
+        f"{a.threads} threads; a bound where float32 FMAs are the fastest arithmetic)"
+    )
+    for title, by in report.items():
+        cells = [
+            f"{name} {s['flop_s'] / 1e9:.0f} GFLOP/s ({s['flop_s'] / rate_fp32:.0%})"
+            for name, s in by.items()
+        ]
+        print(f"  {title:<18} " + " | ".join(cells))
     last_title = scenarios[-1][0]
     for k_server in ours:
         for p_server in peers:

@@ -188,7 +188,8 @@ class IngestProcess:
     ) -> None:
         """``where``: the store's directory and URL (``DocStore``'s arguments); ``embedder``
         must pickle (a class, or a ``functools.partial`` of one)."""
-        self._args = (where, embedder, priority)
+        self._where = where
+        self._embedder = embedder
         self._priority = priority
         self._on_done = on_done
         self._on_lost = on_lost
@@ -213,7 +214,8 @@ class IngestProcess:
         self._jobs = self._context.Queue()
         self._done = self._context.Queue()
         self._proc = self._context.Process(
-            target=_child, args=(*self._args, self._jobs, self._done),
+            target=_child,
+            args=(self._where, self._embedder, self._priority, self._jobs, self._done),
             name="kvgate-ingest", daemon=True,
         )  # fmt: skip
         self._proc.start()

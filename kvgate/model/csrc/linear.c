@@ -44,6 +44,22 @@
 
 #include "bf16_avx512.h"
 
+/* One row's 32 columns of a panel: lo, hi (columns 0-15, 16-31) plus the bias (bf16, or
+ * NULL), stored at y as float32 (f32) or rounded once to bf16. Both paths end here. */
+static inline void store_row32(__m512 lo, __m512 hi, const uint16_t* bias, void* y, int f32) {
+    if (bias) {
+        lo = _mm512_add_ps(lo, bf16x16_load(bias));
+        hi = _mm512_add_ps(hi, bf16x16_load(bias + 16));
+    }
+    if (f32) {
+        _mm512_storeu_ps((float*)y, lo);
+        _mm512_storeu_ps((float*)y + 16, hi);
+    } else {
+        _mm256_storeu_si256((__m256i*)y, bf16x16_round(lo));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)y + 16), bf16x16_round(hi));
+    }
+}
+
 /* One panel, ROWS rows of x starting at x: acc[r][h] is columns 16h..16h+15 of row r. */
 #define DEFINE_TILE(ROWS)                                                                     \
 static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* panel,          \
@@ -61,17 +77,9 @@ static inline void tile_##ROWS(const uint16_t* x, int64_t K, const uint16_t* pan
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);                                   \
         }                                                                                     \
     }                                                                                         \
-    for (int r = 0; r < ROWS; ++r) {                                                          \
-        __m512 lo = acc[r][0], hi = acc[r][1];                                                \
-        if (bias) { lo = _mm512_add_ps(lo, bf16x16_load(bias)); hi = _mm512_add_ps(hi, bf16x16_load(bias + 16)); } \
-        if (f32) {                                                                            \
-            _mm512_storeu_ps((float*)y + r * N, lo);                                          \
-            _mm512_storeu_ps((float*)y + r * N + 16, hi);                                     \
-        } else {                                                                              \
-            _mm256_storeu_si256((__m256i*)((uint16_t*)y + r * N), bf16x16_round(lo));         \
-            _mm256_storeu_si256((__m256i*)((uint16_t*)y + r * N + 16), bf16x16_round(hi));    \
-        }                                                                                     \
-    }                                                                                         \
+    for (int r = 0; r < ROWS; ++r)                                                            \
+        store_row32(acc[r][0], acc[r][1], bias,                                               \
+                    f32 ? (void*)((float*)y + r * N) : (void*)((uint16_t*)y + r * N), f32);   \
 }
 
 DEFINE_TILE(1)
@@ -154,6 +162,21 @@ static inline void amx_panel(const uint16_t* xb, int64_t K, int nb, const uint16
     }
 }
 
+/* The calling thread's scratch of at least n bf16 values, kept for its next calls: decode
+ * pads its rows on every linear of every step, where a calloc each time was 121 allocations
+ * (and up to 98 KiB of zeroing) a SmolLM2 step. NULL if it cannot grow. */
+static uint16_t* amx_scratch(size_t n) {
+    static __thread uint16_t* buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        uint16_t* grown = realloc(buf, n * sizeof(uint16_t));
+        if (!grown) return NULL;
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
 /* linear_bf16 on tiles, K % 32 == 0. Rows go 32 at a time (2 x 2 C tiles); the rows left over
  * are copied once, zero-padded, to whole tiles of 16. */
 static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* y,
@@ -161,9 +184,11 @@ static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bia
     const int panels = N / 32, full = M / 32, rest = M % 32, rest_nb = (rest + 15) / 16;
     uint16_t* pad = NULL;
     if (rest) {
-        pad = calloc((size_t)rest_nb * 16 * K, sizeof(uint16_t));
+        const size_t used = (size_t)rest * K, whole = (size_t)rest_nb * 16 * K;
+        pad = amx_scratch(whole);
         if (!pad) return -1;
-        memcpy(pad, x + (int64_t)full * 32 * K, (size_t)rest * K * sizeof(uint16_t));
+        memcpy(pad, x + (int64_t)full * 32 * K, used * sizeof(uint16_t));
+        memset(pad + used, 0, (whole - used) * sizeof(uint16_t)); /* padding rows: 0 */
     }
     #pragma omp parallel
     {
@@ -173,32 +198,20 @@ static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bia
         for (int p = 0; p < panels; ++p) {
             const uint16_t* panel = wp + (int64_t)p * K * 32;
             const uint16_t* b = bias ? bias + p * 32 : NULL;
-            const __m512 b0 = b ? bf16x16_load(b) : _mm512_setzero_ps();
-            const __m512 b1 = b ? bf16x16_load(b + 16) : _mm512_setzero_ps();
             for (int blk = 0; blk < full + (rest > 0); ++blk) {
                 const int last = blk == full, rows = last ? rest : 32;
                 amx_panel(last ? pad : x + (int64_t)blk * 32 * K, K, last ? rest_nb : 2, panel,
                           out);
                 for (int r = 0; r < rows; ++r) {
-                    __m512 lo = _mm512_load_ps(out + r * 32), hi = _mm512_load_ps(out + r * 32 + 16);
-                    if (b) {
-                        lo = _mm512_add_ps(lo, b0);
-                        hi = _mm512_add_ps(hi, b1);
-                    }
                     const int64_t off = ((int64_t)blk * 32 + r) * N + p * 32;
-                    if (f32) {
-                        _mm512_storeu_ps((float*)y + off, lo);
-                        _mm512_storeu_ps((float*)y + off + 16, hi);
-                    } else {
-                        _mm256_storeu_si256((__m256i*)((uint16_t*)y + off), bf16x16_round(lo));
-                        _mm256_storeu_si256((__m256i*)((uint16_t*)y + off + 16), bf16x16_round(hi));
-                    }
+                    store_row32(_mm512_load_ps(out + r * 32), _mm512_load_ps(out + r * 32 + 16),
+                                b, f32 ? (void*)((float*)y + off) : (void*)((uint16_t*)y + off),
+                                f32);
                 }
             }
         }
         _tile_release();
     }
-    free(pad);
     return 0;
 }
 #endif
