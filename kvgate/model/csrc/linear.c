@@ -114,33 +114,40 @@ __attribute__((constructor)) static void amx_request(void) {
     amx_ready = syscall(SYS_arch_prctl, KVG_ARCH_REQ_XCOMP_PERM, KVG_XFEATURE_XTILEDATA) == 0;
 }
 
-/* Palette 1, every tile 16 rows of 64 bytes: tiles 0-3 accumulate C (row block r, column
- * half h: tile 2 r + h), 4-5 hold x (row blocks of 16), 6-7 the weights (column halves). */
+/* Palette 1, tiles of 64-byte rows: tiles 0-3 accumulate C (row block r, column half h:
+ * tile 2 r + h), 4-5 hold x (row blocks), 6-7 the weights (column halves, 16 rows of pairs).
+ * Row block 0 has ra rows, block 1 rb (0: unused). A tile's row of C is one float32 sum
+ * whatever the tile's row count, so a block of M < 16 rows configured as M rows gives the
+ * same outputs as those rows padded to 16, for a sixteenth of the multiplies. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } amx_config;
 
-static void amx_configure(void) {
+static void amx_configure(int ra, int rb) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
+    const int rows[8] = {ra, ra, rb, rb, ra, rb, 16, 16};
     for (int t = 0; t < 8; ++t) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = rows[t] ? 64 : 0;
     }
     _tile_loadconfig(&c);
 }
 
-/* out [16 nb, 32] float32 = nb (1 or 2) blocks of 16 rows of x (at xb, row stride K) times
- * one panel, over K in steps of 32 inputs (K % 32 == 0). */
+/* out [16 nb, 32] float32 = nb (1 or 2) blocks of rows of x (at xb, row stride K; as many
+ * rows as the configuration gives each block) times one panel, over K in steps of 32 inputs
+ * (K % 32 == 0). Block 1's rows start 16 rows after block 0's, in x and in out. */
 static inline void amx_panel(const uint16_t* xb, int64_t K, int nb, const uint16_t* panel,
                              float* out) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (nb == 2) { /* tiles 2, 3 have no rows where block 1 is unused */
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t k = 0; k < K; k += 32) {
         const uint16_t* w = panel + (k / 2) * 64; /* pairs k/2 .. k/2 + 15, 128 bytes each */
         _tile_loadd(6, w, 128);                   /* columns 0-15 */
@@ -177,22 +184,29 @@ static uint16_t* amx_scratch(size_t n) {
     return buf;
 }
 
-/* linear_bf16 on tiles, K % 32 == 0. Rows go 32 at a time (2 x 2 C tiles); the rows left over
- * are copied once, zero-padded, to whole tiles of 16. */
+/* linear_bf16 on tiles, K % 32 == 0. Rows go 32 at a time (2 x 2 C tiles). Fewer than 32 in
+ * all (decode) take tiles of exactly their rows, straight from x; the rows left over after
+ * whole blocks of 32 are copied once, zero-padded, to whole tiles of 16 (one configuration
+ * for every block: reconfiguring per panel would cost more than the padding saves). */
 static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, void* y,
                       int M, int N, int K, int f32) {
     const int panels = N / 32, full = M / 32, rest = M % 32, rest_nb = (rest + 15) / 16;
-    uint16_t* pad = NULL;
-    if (rest) {
+    const uint16_t* tail = x + (int64_t)full * 32 * K; /* the rows after the whole blocks */
+    int ra = 16, rb = 16;
+    if (!full) {
+        ra = M < 16 ? M : 16;
+        rb = M - ra;
+    } else if (rest) {
         const size_t used = (size_t)rest * K, whole = (size_t)rest_nb * 16 * K;
-        pad = amx_scratch(whole);
+        uint16_t* pad = amx_scratch(whole);
         if (!pad) return -1;
-        memcpy(pad, x + (int64_t)full * 32 * K, used * sizeof(uint16_t));
+        memcpy(pad, tail, used * sizeof(uint16_t));
         memset(pad + used, 0, (whole - used) * sizeof(uint16_t)); /* padding rows: 0 */
+        tail = pad;
     }
     #pragma omp parallel
     {
-        amx_configure(); /* per thread: the tile configuration is thread state */
+        amx_configure(ra, rb); /* per thread: the tile configuration is thread state */
         float out[32 * 32] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
         for (int p = 0; p < panels; ++p) {
@@ -200,7 +214,7 @@ static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bia
             const uint16_t* b = bias ? bias + p * 32 : NULL;
             for (int blk = 0; blk < full + (rest > 0); ++blk) {
                 const int last = blk == full, rows = last ? rest : 32;
-                amx_panel(last ? pad : x + (int64_t)blk * 32 * K, K, last ? rest_nb : 2, panel,
+                amx_panel(last ? tail : x + (int64_t)blk * 32 * K, K, last ? rest_nb : 2, panel,
                           out);
                 for (int r = 0; r < rows; ++r) {
                     const int64_t off = ((int64_t)blk * 32 + r) * N + p * 32;
