@@ -231,6 +231,8 @@ def test_the_logits_head_keeps_float32_sums(level: str, quantization: str | None
         assert torch.equal(got.bfloat16(), _factory(level)(w, None)(x))
     alone = torch.cat([head(x[i : i + 1]) for i in range(37)])
     assert torch.equal(got, alone)
+    for m in (5, 16, 20, 32):  # one row block, two (in place on amx), and a whole block
+        assert torch.equal(head(x[:m]), alone[:m])
 
 
 def test_without_kernels_the_logits_head_upcasts() -> None:

@@ -169,9 +169,10 @@ static inline void amx_panel(const uint16_t* xb, int64_t K, int nb, const uint16
     }
 }
 
-/* The calling thread's scratch of at least n bf16 values, kept for its next calls: decode
- * pads its rows on every linear of every step, where a calloc each time was 121 allocations
- * (and up to 98 KiB of zeroing) a SmolLM2 step. NULL if it cannot grow. */
+/* The calling thread's scratch of at least n bf16 values, kept for its next calls (a prefill
+ * whose rows are not a multiple of 32 pads its last rows on every linear; a calloc each time
+ * was one allocation per linear per step). At most 32 K values per calling thread, held for
+ * the thread's life: the engine's threads live as long as it does. NULL if it cannot grow. */
 static uint16_t* amx_scratch(size_t n) {
     static __thread uint16_t* buf;
     static __thread size_t cap;
