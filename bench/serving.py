@@ -411,6 +411,7 @@ def main() -> None:
             f"{a.output_len} output tokens, streaming /v1/completions, greedy, ignore_eos"
         )
         report: dict[str, dict[str, Any]] = {}
+        last_runs: dict[str, list[dict[str, Any]]] = {}
         tokenizer = load_gguf_tokenizer(resolve_model_path(DEFAULT_MODEL))
         work = LinearWork.of_model(DEFAULT_MODEL)
         for i, (title, rate, n) in enumerate(scenarios):
@@ -437,6 +438,7 @@ def main() -> None:
                     label = server.name if a.repeats == 1 else f"{server.name} #{repeat + 1}"
                     print(fmt_row(label, runs[server.name][-1]), flush=True)
             report[title] = {name: median_summary(r) for name, r in runs.items()}
+            last_runs = runs
             if a.repeats > 1:
                 print(f"  median of {a.repeats} runs:")
                 for name, s in report[title].items():
@@ -476,6 +478,10 @@ def main() -> None:
                 f"{'met' if ratio >= 2 else 'NOT met'}), TTFT p99 lower "
                 f"({'met' if k['ttft_p99'] < p['ttft_p99'] else 'NOT met'})"
             )
+            if a.repeats > 1:  # each repeat's pair, run back to back
+                pairs = zip(last_runs[kn], last_runs[pn], strict=True)
+                each = [f"{x['output_tok_s'] / y['output_tok_s']:.2f}x" for x, y in pairs]
+                print(f"  output tok/s run by run: {' / '.join(each)}")
     for k_server in ours[1:]:  # each kvgate configuration against the first one
         kn, base = k_server.name, ours[0].name
         print(f"\nratios {kn} / {base} (throughput: higher is better; TTFT: lower is better)")
