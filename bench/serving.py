@@ -145,22 +145,21 @@ def build_peer(python: str, weights: str) -> tuple[str, Path]:
 
 @dataclass(frozen=True)
 class LinearWork:
-    """Multiply-adds per token of a model's projections (``body``) and LM head (``head``)."""
+    """Multiply-adds per token of a model's projections (``body``) and LM head (``head``), and
+    the (out, in) shapes of one layer's projections."""
 
     body: int
     head: int
+    shapes: tuple[tuple[int, int], ...]
 
     @classmethod
     def of_model(cls, model: str) -> LinearWork:
-        ckpt = load_gguf(resolve_model_path(model))
-        head_name = "lm_head.weight" if "lm_head.weight" in ckpt.weights else None
-        head = ckpt.weights[head_name or "model.embed_tokens.weight"].numel()
-        body = sum(
-            t.numel()
-            for name, t in ckpt.weights.items()
-            if ".layers." in name and name.endswith("proj.weight")
-        )
-        return cls(body=body, head=head)
+        weights = load_gguf(resolve_model_path(model)).weights
+        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).numel()
+        projections = {n: t for n, t in weights.items() if n.endswith("proj.weight")}
+        body = sum(t.numel() for n, t in projections.items() if ".layers." in n)
+        shapes = {(t.shape[0], t.shape[1]) for n, t in projections.items() if ".layers.0." in n}
+        return cls(body=body, head=head, shapes=tuple(sorted(shapes)))
 
     def flops(self, prompt_tokens: int, output_tokens: int, requests: int) -> float:
         """Every prompt token and every output token but each request's last go through the
@@ -168,26 +167,20 @@ class LinearWork:
         tokens = prompt_tokens + output_tokens - requests
         return 2.0 * (self.body * tokens + self.head * output_tokens)
 
-
-def gemm_rate(model: str, threads: int, rows: int = 512) -> float:
-    """This CPU's float32 GEMM rate in FLOP/s on the model's projection shapes (best of 3)."""
-    ckpt = load_gguf(resolve_model_path(model))
-    shapes = {
-        tuple(t.shape)
-        for name, t in ckpt.weights.items()
-        if ".layers.0." in name and name.endswith("proj.weight")
-    }
-    torch.set_num_threads(threads)
-    weights = [torch.randn(*shape) for shape in sorted(shapes)]
-    x = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-    best = float("inf")
-    for _ in range(4):  # the first is a warm-up
-        t = time.perf_counter()
-        for _ in range(5):
-            for w in weights:
-                F.linear(x[w.shape[1]], w)
-        best = min(best, time.perf_counter() - t)
-    return 5 * sum(2 * rows * w.numel() for w in weights) / best
+    def gemm_rate(self, threads: int, rows: int = 512) -> float:
+        """This CPU's float32 GEMM rate in FLOP/s on one layer's projection shapes: the
+        fastest of 4 rounds of 5 passes (the first round warms up)."""
+        torch.set_num_threads(threads)
+        weights = [torch.randn(*shape) for shape in self.shapes]
+        x = {k: torch.randn(rows, k) for _, k in self.shapes}
+        best = float("inf")
+        for _ in range(4):
+            t = time.perf_counter()
+            for _ in range(5):
+                for w in weights:
+                    F.linear(x[w.shape[1]], w)
+            best = min(best, time.perf_counter() - t)
+        return 5 * sum(2 * rows * w.numel() for w in weights) / best
 
 
 def make_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[str]:
@@ -447,7 +440,7 @@ def main() -> None:
         for server in ours + peers:
             server.stop()
 
-    rate_fp32 = gemm_rate(DEFAULT_MODEL, a.threads)
+    rate_fp32 = work.gemm_rate(a.threads)
     print(
         f"\nlinear work per second of wall time, against this CPU's float32 GEMM rate "
         f"({rate_fp32 / 1e9:.0f} GFLOP/s: F.linear on the model's shapes, 512 rows, "
