@@ -54,11 +54,23 @@ class PromptTooLong(InvalidRequest):
 
     code = "context_length_exceeded"
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        *,
+        at_least: bool = False,
+        param: str = "prompt",
+    ) -> None:
+        """``at_least``: ``num_prompt_tokens`` is a lower bound (the prompt was refused
+        before it was tokenized), not its count."""
+        has = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
+        asked = f" and {max_tokens} more were requested" if max_tokens or not at_least else ""
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and {max_tokens} more were requested",
-            param="prompt",
+            f"{has} tokens{asked}",
+            param=param,
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens

@@ -38,10 +38,10 @@ from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import InvalidConfig, InvalidRequest, KVGateError
 from kvgate.governance.admission import RateBuckets
-from kvgate.governance.tenants import TenantsConfig, parse_key
+from kvgate.governance.tenants import DEFAULT_TENANT, TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
-from kvgate.server.access_log import AccessLogMiddleware
+from kvgate.server.access_log import AccessLogMiddleware, access_record
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
 from kvgate.server.chat import create_chat_completion
@@ -414,11 +414,12 @@ def build_app(
             return Response(status_code=499)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, route: Route) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, request: Request, route: Route) -> dict[str, Any]:
         ctx = route(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
-        ctx.door.check_sizes(body, None)
+        tenant = access_record(request).tenant or DEFAULT_TENANT
+        ctx.door.counted(tenant, ctx.door.check_sizes, body, None)
         tok = ctx.tokenizer
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]

@@ -117,6 +117,20 @@ def _salt(tenant_salt: bytes | None, request_salt: str | None) -> bytes | None:
     return (tenant_salt or b"") + b"\x00request:" + request_salt.encode()
 
 
+def check_room(ctx: ServingContext, tenant: str, choices: int) -> None:
+    """Refuse ``choices`` more requests that the server's queue, or the tenant's share of it,
+    has no room for (``Overloaded``, counted for the tenant). Before the prompts are read
+    too: a list of 400,000 prompts is refused whole, not tokenized first."""
+    model = ctx.served_model_name
+    try:
+        gate = ctx.governance.gate(model)
+        ctx.engine.check_capacity(choices, gate.total_in_flight if gate is not None else None)
+        ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity, model)
+    except KVGateError as exc:
+        ctx.governance.count_refusal(tenant, exc.code)
+        raise
+
+
 def admit_choices(
     ctx: ServingContext,
     http: HttpRequest,
@@ -133,12 +147,8 @@ def admit_choices(
     limits (every refusal is counted for the tenant under its code); start its trace."""
     record = access_record(http)
     tenant = record.tenant or DEFAULT_TENANT
+    check_room(ctx, tenant, (body.n or 1) * len(prompts))
     try:
-        model = ctx.served_model_name
-        gate = ctx.governance.gate(model)
-        choices = (body.n or 1) * len(prompts)
-        ctx.engine.check_capacity(choices, gate.total_in_flight if gate is not None else None)
-        ctx.governance.check_queue_share(tenant, choices, ctx.engine.capacity, model)
         timeout = body.timeout if body.timeout is not None else _header_timeout(http)
         context = ctx.governance.context(tenant, timeout, http.headers.get("authorization"))
         requests = build_choices(

@@ -13,9 +13,9 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import DEFAULT_TENANT
 from kvgate.server.access_log import access_record
-from kvgate.server.choices import admit_choices
+from kvgate.server.choices import admit_choices, check_room
 from kvgate.server.constraints import completion_constraints
-from kvgate.server.door import off_loop
+from kvgate.server.door import charge, num_prompts, off_loop
 from kvgate.server.logprobs import completion_logprobs
 from kvgate.server.protocol import CompletionRequest
 from kvgate.server.respond import respond
@@ -86,11 +86,14 @@ async def create_completion(
     _check_unsupported(body)
     record = access_record(http)
     record.model = ctx.served_model_name
-    ctx.door.enter(record.tenant or DEFAULT_TENANT, body)
+    tenant = record.tenant or DEFAULT_TENANT
+    n = body.n or 1
+    charge(ctx.governance, tenant, n * num_prompts(body))
+    check_room(ctx, tenant, n * num_prompts(body))  # before a prompt of a long list is read
+    ctx.door.enter(tenant, body, charged=True)
     grammar = completion_constraints(body).grammar
     prompts = await off_loop(_prompts, ctx, body, grammar)
     record.prompt_tokens = sum(len(p) for p in prompts)
-    n = body.n or 1
     # Before admission: nothing that may fail stands between admitting and the response.
     prompt_texts = [ctx.tokenizer.decode(p) if body.echo else "" for p in prompts]
     response_id = f"cmpl-{record.request_id}"

@@ -3,9 +3,9 @@ does the expensive part (templating, tokenizing) off the event loop.
 
 Checked in order, each refusal counted for the tenant under its code: the tenant's request
 rate (one request per choice, charged here, so refused requests count too), then the sizes
-of the body's parts against ``RequestLimits``: messages, prompt characters (a prompt longer
-than the context could ever hold, at the tokenizer's longest token, is refused without
-tokenizing it), stop strings and stop token ids.
+of the body's parts against ``RequestLimits``: messages, prompt characters (summed over a
+list of prompts), then each prompt against the context at the fewest tokens its text can be
+(``token_floor.py``: for any script, without tokenizing it), stop strings and stop token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvgate.server.errors import AuthenticationFailed
 from kvgate.server.governance import Governance
 from kvgate.server.limits import RequestLimits
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from kvgate.token_floor import SLACK
 from kvgate.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -35,23 +36,33 @@ async def off_loop(fn: Callable[..., T], *args: object) -> T:
     return await asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
 
 
-def prompt_chars(body: ChatCompletionRequest | CompletionRequest | TokenizeRequest) -> int:
-    """Characters of the prompt's text (token ids count one each)."""
+Prompt = tuple[list[str], int]  # one prompt: its texts, and its count of token ids
+
+
+def prompts_of(body: ChatCompletionRequest | CompletionRequest | TokenizeRequest) -> list[Prompt]:
+    """Each prompt of the body (a chat's messages are one; a completion's list is one each)."""
     messages = getattr(body, "messages", None)
     if messages is not None:
-        total = 0
+        texts: list[str] = []
         for m in messages:
             if isinstance(m.content, str):
-                total += len(m.content)
+                texts.append(m.content)
             elif m.content is not None:
-                total += sum(len(getattr(part, "text", "")) for part in m.content)
-        return total
+                texts.extend(getattr(part, "text", "") for part in m.content)
+        return [(texts, 0)]
     prompt = getattr(body, "prompt", None)
     if prompt is None:
-        return 0
+        return []
     if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
+        return [([prompt], 0)]
+    if all(isinstance(p, int) for p in prompt):
+        return [([], len(prompt))]
+    return [([p], 0) if isinstance(p, str) else ([], len(p)) for p in prompt]
+
+
+def prompt_chars(body: ChatCompletionRequest | CompletionRequest | TokenizeRequest) -> int:
+    """Characters of the prompt's text (token ids count one each), over every prompt."""
+    return sum(sum(len(t) for t in texts) + ids for texts, ids in prompts_of(body))
 
 
 class Door:
@@ -63,18 +74,33 @@ class Door:
         self.limits = limits
         self.governance = governance
         self.context = context
-        #: Most characters one token stands for: a prompt of c characters has at least
-        #: c / token_chars tokens. Twice that, for normalizers that shrink text.
-        self.token_chars = 2 * tokenizer.max_token_chars
+        self.floor = tokenizer.token_floor
 
-    def max_prompt_chars(self, spec: TenantSpec | None) -> tuple[int, bool]:
-        """(limit, whether it comes from the context rather than the configured cap)."""
-        tokens = self.context
+    def context_for(self, spec: TenantSpec | None) -> int:
+        """The most prompt tokens a request of the tenant of ``spec`` can have."""
         if spec is not None and spec.max_context is not None:
-            tokens = min(tokens, spec.max_context)
-        bound = tokens * self.token_chars
+            return min(self.context, spec.max_context)
+        return self.context
+
+    def check_prompts(self, prompts: list[Prompt], spec: TenantSpec | None, param: str) -> None:
+        """Refuse, before any tokenizing, prompts over the configured characters (summed) or
+        one that cannot fit the context: at least ``TokenFloor`` tokens, which holds for any
+        script (``token_floor.py``). Work is bounded by what passes: the texts of a prompt
+        that fits are at most ``SLACK`` x the context x its longest tokens."""
         cap = self.limits.max_prompt_chars
-        return (cap, False) if cap is not None and cap < bound else (bound, True)
+        if cap is not None:
+            chars = sum(sum(len(t) for t in texts) + ids for texts, ids in prompts)
+            if chars > cap:
+                raise RequestTooLarge(
+                    f"the prompt has {chars} characters; at most {cap} per request", param=param
+                )
+        tokens = self.context_for(spec)
+        for texts, ids in prompts:
+            if ids + sum(len(t) for t in texts) / SLACK <= tokens:
+                continue  # a character weighs at most 1: too short to be over, not weighed
+            floor = ids + self.floor.tokens(texts)
+            if floor > tokens:
+                raise PromptTooLong(floor, 0, tokens, at_least=True, param=param)
 
     def check_sizes(
         self,
@@ -88,15 +114,7 @@ class Door:
                 f"{len(messages)} messages; at most {lim.max_messages} per request",
                 param="messages",
             )
-        chars = prompt_chars(body)
-        limit, from_context = self.max_prompt_chars(spec)
-        if chars > limit:
-            param = "messages" if messages is not None else "prompt"
-            if from_context:
-                raise PromptTooLong(chars // self.token_chars, 0, limit // self.token_chars)
-            raise RequestTooLarge(
-                f"the prompt has {chars} characters; at most {limit} per request", param=param
-            )
+        self.check_prompts(prompts_of(body), spec, "messages" if messages is not None else "prompt")
         if isinstance(body, TokenizeRequest):
             return
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
@@ -122,10 +140,13 @@ class Door:
         """Charge the tenant's request rate (unless ``charged`` already, by ``charge``),
         then check the body's sizes; raises the refusal, counted for the tenant."""
         if not charged:
-            charge(self.governance, tenant, (body.n or 1) * _num_prompts(body))
-        spec = self.governance.tenants.spec(tenant)
+            charge(self.governance, tenant, (body.n or 1) * num_prompts(body))
+        self.counted(tenant, self.check_sizes, body, self.governance.tenants.spec(tenant))
+
+    def counted(self, tenant: str, check: Callable[..., None], *args: object) -> None:
+        """Run ``check``; a refusal it raises is counted for the tenant, then raised."""
         try:
-            self.check_sizes(body, spec)
+            check(*args)
         except KVGateError as exc:
             self.governance.count_refusal(tenant, exc.code)
             raise
@@ -147,7 +168,8 @@ def charge(governance: Governance, tenant: str, n: int = 1) -> None:
         raise
 
 
-def _num_prompts(body: ChatCompletionRequest | CompletionRequest) -> int:
+def num_prompts(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """Prompts of the body: a chat's is one, a completion's list of prompts is one each."""
     if isinstance(body, ChatCompletionRequest):
         return 1
     prompt = body.prompt

@@ -31,13 +31,13 @@ from starlette.responses import JSONResponse, Response
 from kvgate.docs import filters as attribute_filters
 from kvgate.docs.prompt import arrange, citations, fit, sources_block
 from kvgate.docs.service import DocsService, SearchResult
-from kvgate.errors import InvalidRequest, KVGateError
-from kvgate.governance.tenants import DEFAULT_TENANT
+from kvgate.errors import InvalidRequest, KVGateError, RequestTooLarge
+from kvgate.governance.tenants import DEFAULT_TENANT, TenantSpec
 from kvgate.server.access_log import access_record
 from kvgate.server.chat import chat_prompt_ids
 from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import chat_constraints
-from kvgate.server.door import charge, off_loop
+from kvgate.server.door import Prompt, charge, off_loop
 from kvgate.server.errors import error_body, status_of
 from kvgate.server.files import docs_caller
 from kvgate.server.protocol import ChatCompletionRequest
@@ -262,6 +262,16 @@ async def _retrieve(
     answer.sources = await run_in_threadpool(expanded) if body.expand_neighbours else answer.results
 
 
+def _check_input(ctx: ServingContext, count: int, prompts: list[Prompt], spec: TenantSpec) -> None:
+    """The door's limits on the input's messages and prompt, before any search."""
+    if count > ctx.door.limits.max_messages:
+        raise RequestTooLarge(
+            f"{count} input messages; at most {ctx.door.limits.max_messages} per request",
+            param="input",
+        )
+    ctx.door.check_prompts(prompts, spec, "input")
+
+
 def _tokens(ctx: ServingContext, text: str) -> int:
     return len(ctx.tokenizer.encode(text, add_special_tokens=False))
 
@@ -328,16 +338,21 @@ async def create_response(
     record = access_record(http)
     record.model = ctx.served_model_name
     answer = _Answer(body, ctx.served_model_name, record.request_id)
-    # The tenant's request rate first: the search, the embedding and the answer are work.
-    charge(ctx.governance, record.tenant or DEFAULT_TENANT)
+    # The tenant's request rate first, then the input's size: the search, the embedding
+    # and the answer are work (a 4 MB input took 88 s of search and tokenizing before its
+    # size was checked).
+    who = record.tenant or DEFAULT_TENANT
+    charge(ctx.governance, who)
+    spec = ctx.governance.spec(who)
+    texts = [m["content"] for m in messages] + [body.instructions or ""]
+    ctx.door.counted(who, _check_input, ctx, len(messages), [(texts, 0)], spec)
     if tool is not None:
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             docs.vector_store(tenant, store_id)
         await _retrieve(ctx, http, docs, tenant, tool, answer, question)
-    spec = ctx.governance.spec(record.tenant or DEFAULT_TENANT)
     context = min(ctx.max_model_len, spec.max_context or ctx.max_model_len)
-    chat = _chat_body(body, answer, ctx, question, context)
-    ctx.door.enter(record.tenant or DEFAULT_TENANT, chat, charged=True)
+    chat = await off_loop(_chat_body, body, answer, ctx, question, context)  # it tokenizes
+    ctx.door.enter(who, chat, charged=True)
     constraints = chat_constraints(chat)
     prompt = await off_loop(chat_prompt_ids, ctx, chat, constraints)
     record.prompt_tokens = len(prompt)
