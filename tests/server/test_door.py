@@ -56,7 +56,7 @@ def _post(live: LiveServer, path: str, key: str, body: dict[str, Any]) -> httpx.
 
 @pytest.fixture
 def tokenizer_calls(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Thread names of every chat tokenization the server runs."""
+    """Thread names of every tokenization (chat, or a plain prompt's) the server runs."""
     assert server.state.serving is not None
     tok = server.state.serving.tokenizer
     calls: list[str] = []
@@ -66,7 +66,13 @@ def tokenizer_calls(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list
         calls.append(threading.current_thread().name)
         return original(*args, **kwargs)
 
+    def recording_encode(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append(threading.current_thread().name)
+        return original_encode(*args, **kwargs)
+
+    original_encode = tok.encode
     monkeypatch.setattr(tok, "encode_chat", recording)
+    monkeypatch.setattr(tok, "encode", recording_encode)
     return calls
 
 
@@ -81,6 +87,66 @@ def test_a_prompt_too_long_for_any_context_is_refused_without_tokenizing(
     assert tokenizer_calls == []
     resp = _post(server, "/tokenize", "sk-other", {"prompt": huge})
     assert resp.status_code == 400
+
+
+#: About a token per character in SmolLM2's vocabulary, Chinese and digits alike: 20,000 of
+#: them passed the old gate (512 tokens x 162 characters) and were tokenized whole.
+CJK = "第一千零七十九条夫妻一方要求离婚的可以由有关组织进行调解" * 700
+MIXED = "合同2026年12月3日¥1,000,000.00😀 " * 600
+
+
+@pytest.mark.parametrize("text", [CJK, MIXED], ids=["cjk", "mixed"])
+def test_a_cjk_prompt_past_the_context_is_refused_before_tokenizing_on_every_endpoint(
+    server: LiveServer, tokenizer_calls: list[str], text: str
+) -> None:
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    listed = {"prompt": ["hi", text, "there"], "max_tokens": 4}
+    search = {"type": "file_search", "vector_store_ids": ["vs_none"]}
+    for path, body, param in [
+        ("/v1/chat/completions", chat, "messages"),
+        ("/v1/completions", {"prompt": text, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", listed, "prompt"),
+        ("/v1/responses", {"input": text}, "input"),
+        # Before the search (and the store's lookup: this one does not exist).
+        ("/v1/responses", {"input": text, "tools": [search]}, "input"),
+        ("/tokenize", {"prompt": text}, "prompt"),
+        ("/tokenize", {"messages": chat["messages"]}, "messages"),
+    ]:
+        resp = _post(server, path, "sk-other", body)
+        assert resp.status_code == 400, (path, resp.text)
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, path
+        assert "at least" in err["message"]  # a bound, not a count: it was not tokenized
+    assert tokenizer_calls == []
+    # A tenant's own smaller context bounds its prompts the same way (alpha: 128 tokens).
+    resp = _post(server, "/v1/chat/completions", "sk-alpha", {**chat, "messages": [
+        {"role": "user", "content": CJK[:1000]}]})  # fmt: skip
+    assert resp.status_code == 400 and tokenizer_calls == []
+
+
+def test_prompts_under_the_floor_are_tokenized_and_counted_exactly(
+    server: LiveServer, tokenizer_calls: list[str]
+) -> None:
+    short = CJK[:200]
+    resp = _post(server, "/tokenize", "sk-other", {"prompt": short})
+    assert resp.status_code == 200 and resp.json()["count"] >= 200
+    # Over the context but not provably so without tokenizing: refused with its count.
+    resp = _post(server, "/v1/completions", "sk-other", {"prompt": CJK[:1500], "max_tokens": 1})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "at least" not in err["message"]
+    assert len(tokenizer_calls) == 2
+
+
+def test_a_prompt_list_longer_than_the_queue_is_refused_before_it_is_read(
+    server: LiveServer, tokenizer_calls: list[str]
+) -> None:
+    capacity = server.state.serving.engine.capacity  # type: ignore[union-attr]
+    assert capacity is not None
+    resp = _post(server, "/v1/completions", "sk-other",
+                 {"prompt": ["hi"] * (capacity + 1), "max_tokens": 1})  # fmt: skip
+    assert resp.status_code in (429, 503)
+    assert tokenizer_calls == []
 
 
 def test_templating_and_tokenizing_run_off_the_event_loop(
