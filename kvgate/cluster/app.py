@@ -223,6 +223,8 @@ def stop() -> None:
     from kvgate.cluster.controller import CONTROLLER
     from kvgate.cluster.state import NAMESPACE, STATE_ACTOR
 
+    if not ray.is_initialized():  # refused before Ray started (serve.shutdown would start one)
+        return
     serve.shutdown()  # type: ignore[no-untyped-call]
     for name in (CONTROLLER, STATE_ACTOR):  # detached: they would outlive a shared cluster
         with contextlib.suppress(Exception):

@@ -112,6 +112,16 @@ def test_a_ray_without_token_authentication_is_refused_before_it_starts() -> Non
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in environ  # refused before anything
 
 
+def test_start_refuses_a_ray_without_token_authentication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvgate.cluster.app import ClusterSpec, start
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(InvalidConfig, match="RAY_AUTH_MODE=disabled"):
+        start(ClusterSpec(("--model", "unused")), "127.0.0.1", 1)
+
+
 def test_the_token_file_is_made_0600_whatever_the_umask(tmp_path: Path) -> None:
     path = tmp_path / "ray" / "auth_token"
     environ = {"RAY_AUTH_TOKEN_PATH": str(path)}
