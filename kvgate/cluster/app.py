@@ -159,7 +159,13 @@ FIRST_ENGINE_APP = f"{ENGINE}-1"
 def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = None) -> None:
     """Start (or join) Ray, deploy the engine (as ``FIRST_ENGINE_APP``, stable) and the
     ingress on ``host:port``. A local Ray gets a small object store: requests and
-    responses are small."""
+    responses are small. Ray itself takes calls from this host only (a local one), and
+    only with its token (``private_ray.py``): refused (``InvalidConfig``) otherwise."""
+    from kvgate.cluster import private_ray
+
+    local = ray_address is None
+    private_ray.prepare(os.environ, local=local)  # before Ray is imported: it reads them then
+
     import ray
     from ray import serve
 
@@ -173,6 +179,7 @@ def start(spec: ClusterSpec, host: str, port: int, *, ray_address: str | None = 
             namespace="kvgate",
             log_to_driver=os.environ.get("KVGATE_RAY_LOGS", "1") != "0",
         )
+    private_ray.verify(local=local)
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(engine_application(spec), name=FIRST_ENGINE_APP, route_prefix=None)
@@ -216,6 +223,8 @@ def stop() -> None:
     from kvgate.cluster.controller import CONTROLLER
     from kvgate.cluster.state import NAMESPACE, STATE_ACTOR
 
+    if not ray.is_initialized():  # refused before Ray started (serve.shutdown would start one)
+        return
     serve.shutdown()  # type: ignore[no-untyped-call]
     for name in (CONTROLLER, STATE_ACTOR):  # detached: they would outlive a shared cluster
         with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ from typing import Any
 import zmq
 
 from kvgate.config import EngineConfig
+from kvgate.engine.channel import Channel, ChannelKeys, Gate, serve_secured
 from kvgate.engine.core_proc import EngineInfo
 from kvgate.engine.loop import Abort, Add, Command, Shares
 from kvgate.engine.policy import SchedulingPolicy, TenantShare
@@ -109,13 +111,19 @@ class EngineClient(StreamingFront):
         self._first = threading.Event()
         self._snapshot: EngineSnapshot | None = None
         self._failure: BaseException | None = None
-        self._dir = tempfile.mkdtemp(prefix="kvgate-engine-")
+        self._dir = tempfile.mkdtemp(prefix="kvgate-engine-")  # 0700
+        self._channel = Channel(self._dir, ChannelKeys.new(), os.getpid())
         self._context = zmq.Context()
+        # Only the engine process's key gets through (channel.py): what arrives on the
+        # results socket is the engine's, and commands go to the engine only.
+        self._gate = Gate(self._context, self._channel.keys)
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
-        self._commands.bind(f"ipc://{self._dir}/commands")
+        serve_secured(self._commands, self._channel.keys)
+        self._commands.bind(self._channel.commands)
         self._results = self._context.socket(zmq.PULL)
-        self._results.bind(f"ipc://{self._dir}/results")
+        serve_secured(self._results, self._channel.keys)
+        self._results.bind(self._channel.results)
         self._send_lock = threading.Lock()
         self._process = self._spawn()
         self._receiver = threading.Thread(
@@ -150,6 +158,11 @@ class EngineClient(StreamingFront):
     def pid(self) -> int | None:
         """The engine process's pid."""
         return self._process.pid
+
+    @property
+    def socket_dir(self) -> str:
+        """The directory of the engine channel's sockets."""
+        return self._dir
 
     @property
     def is_running(self) -> bool:
@@ -203,8 +216,7 @@ class EngineClient(StreamingFront):
         args = (
             self._config,
             self._policy,
-            f"ipc://{self._dir}/commands",
-            f"ipc://{self._dir}/results",
+            self._channel.engine_side(),
             logging.getLogger().getEffectiveLevel(),
         )
         process = subprocess.Popen(
@@ -305,5 +317,6 @@ class EngineClient(StreamingFront):
     def _close_sockets(self) -> None:
         self._commands.close(linger=0)
         self._results.close(linger=0)
+        self._gate.stop()
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -10,10 +10,15 @@ statistics (the front end's metrics listeners get them there), and a few others:
 - ``("step", outputs, snapshot, stats)``; ``("snap", snapshot)`` after commands;
 - ``("error", request_id, error)``; ``("gone", request_ids)``; ``("dead", error, shutdown)``.
 
-The process ends with its parent: it looks at its parent's pid every second (not Linux's
-``PR_SET_PDEATHSIG``, which fires when the *thread* that started the process ends, and the
-server loads models on a thread that ends), so a front end killed -9 leaves no engine
-holding the memory for longer than that.
+Both sockets are CURVE-authenticated (``channel.py``): the process gets its keys with its
+other arguments on its stdin pipe.
+
+The process ends with its parent: a thread of its own looks at its parent's pid every second
+from the start, model load included (not Linux's ``PR_SET_PDEATHSIG``, which fires when the
+*thread* that started the process ends, and the server loads models on a thread that ends).
+When the parent is gone it removes the sockets' directory, which nobody else would, and
+exits at once (``os._exit``: no thread, socket linger or engine step to wait for), so a
+front end killed -9 leaves neither an engine holding the memory nor a directory behind.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import gc
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +39,7 @@ from typing import Any
 import zmq
 
 from kvgate.config import EngineConfig
+from kvgate.engine.channel import Channel, connect_secured
 from kvgate.engine.llm_engine import KVPoolInfo, LLMEngine
 from kvgate.engine.loop import Add, Command, EngineLoop
 from kvgate.engine.outputs import RequestOutput
@@ -44,7 +52,8 @@ from kvgate.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
 
-#: How often the process looks at whether its parent is still there, in seconds.
+#: How often the process looks at whether its parent is still there (and its command loop at
+#: whether the engine loop stopped), in seconds.
 _PARENT_CHECK_S = 1.0
 
 
@@ -140,28 +149,41 @@ class SocketSink:
         self.stopped.set()
 
 
+def _end_with_parent(channel: Channel) -> None:
+    """The watching thread: once the front end is gone (the process is re-parented), remove
+    the channel's directory and end the process."""
+    while os.getppid() == channel.front_pid:
+        time.sleep(_PARENT_CHECK_S)
+    log.error("the front end (pid %d) is gone; stopping the engine", channel.front_pid)
+    shutil.rmtree(channel.directory, ignore_errors=True)
+    os._exit(1)
+
+
 def run_core(
     config: EngineConfig,
     policy: SchedulingPolicy | None,
-    commands_address: str,
-    results_address: str,
+    channel: Channel,
     log_level: int,
 ) -> None:
-    """The engine process's main (``multiprocessing`` spawns it)."""
-    parent = os.getppid()
+    """The engine process's main (``core_main``; the front end spawns it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end says when to stop
     logging.basicConfig(
         level=log_level,
         format="%(asctime)s %(levelname)s %(name)s [engine %(process)d]: %(message)s",
         stream=sys.stderr,
     )
+    threading.Thread(
+        target=_end_with_parent, args=(channel,), name="kvgate-parent-watch", daemon=True
+    ).start()
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
-    commands.connect(commands_address)
+    connect_secured(commands, channel.keys)
+    commands.connect(channel.commands)
     results = context.socket(zmq.PUSH)
     results.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs: the front reads all
     results.setsockopt(zmq.LINGER, 5000)
-    results.connect(results_address)
+    connect_secured(results, channel.keys)
+    results.connect(channel.results)
     stats = _Stats()
     sink = SocketSink(results, stats)
     try:
@@ -185,9 +207,6 @@ def run_core(
     asked_to_stop = False
     try:
         while not sink.stopped.is_set():
-            if os.getppid() != parent:
-                log.error("the front end is gone; stopping the engine")
-                break
             if not commands.poll(int(_PARENT_CHECK_S * 1000)):
                 continue
             command: Command = pickle.loads(commands.recv())

@@ -14,6 +14,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.cluster.private_ray import LOOPBACK_ENV
+
+# Ray reads it once, when imported, which this package's test modules do as they are
+# collected: set before (``start`` sets it too, which is enough for ``kvgate serve``).
+os.environ[LOOPBACK_ENV] = "0"
+
 TENANTS = """
 admin_keys = ["sk-admin"]
 

@@ -1,7 +1,8 @@
 """The engine in a process of its own (``core_proc.py`` behind ``core_client.py``): the same
 tokens as the engine in this process, aborts that free the blocks, load errors raised as
-they were, a killed engine process that fails its streams and is started again, and an
-engine that does not outlive its front end."""
+they were, a killed engine process that fails its streams and is started again, and a peer
+with a key of its own refused by the channel's gate (the rest of the channel and the engine
+that does not outlive its front end: ``test_core_channel.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import asyncio
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from kvgate.engine.front import EngineFront
 from kvgate.errors import EngineDead, KVCacheTooSmall, PromptTooLong
 from kvgate.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_config
+from tests.engine.foreign_peer import ForeignPeer
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
 PROMPTS = [[1, 5, 9, 2], [7, 7, 3], list(range(3, 40))]
@@ -132,44 +132,21 @@ def test_a_killed_engine_fails_its_streams_and_a_fresh_one_takes_over(
         os.kill(front.pid, 0)  # shut down: the engine process is gone
 
 
-CHILD = """
-import os, sys, time
-from kvgate.engine.core_client import EngineClient
-from tests.conftest import tiny_engine_config
-from pathlib import Path
-client = EngineClient(tiny_engine_config(Path(sys.argv[1])))
-print(client.pid, flush=True)
-time.sleep(600)
-"""
-
-
-def test_the_engine_process_ends_with_its_front_end(tiny_llama_dir: Path) -> None:
-    front = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tiny_llama_dir)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[2],
-    )
-    try:
-        assert front.stdout is not None
-        engine_pid = int(front.stdout.readline())
-        front.kill()  # -9: no shutdown of any kind
-        front.wait(10)
-
-        def gone() -> bool:
-            try:
-                os.kill(engine_pid, 0)
-            except ProcessLookupError:
-                return True
-            return False
-
-        _until(gone, timeout=10)
-    finally:
-        if front.poll() is None:
-            front.kill()
-        front.wait(10)
-        if front.stdout is not None:
-            front.stdout.close()
+@pytest.mark.parametrize("role", ["results", "commands"])
+def test_a_peer_that_knows_the_server_key_is_still_refused_by_the_gate(
+    client: EngineClient, tmp_path: Path, role: str
+) -> None:
+    # The strongest outsider: one that somehow read the front end's public key, with a key
+    # pair of its own; the ZAP handler admits the engine's key only.
+    marker = tmp_path / "unpickled"
+    server_key = client._channel.keys.server_public
+    with ForeignPeer(client.socket_dir, role, server_key, marker) as peer:
+        assert peer.outcome() == "HANDSHAKE_FAILED_AUTH"
+        # Every request's Add reached the engine (a thief would hold some: they would hang).
+        tokens = asyncio.run(asyncio.wait_for(_all(client), 120))
+        assert [len(t) for t in tokens] == [12] * len(PROMPTS)
+        assert peer.received() == 0
+    assert not marker.exists()
 
 
 def test_errors_and_snapshots_cross_the_process_boundary(client: EngineClient) -> None:
