@@ -16,32 +16,73 @@ from typing import TYPE_CHECKING
 
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
-from kvgate.errors import DuplicateRequestId, EngineDead, Overloaded
+from kvgate.errors import DuplicateRequestId, EngineDead, KVGateError, Overloaded
 from kvgate.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvgate.engine.front import EngineView
 
 
+#: Told, once, the last output the engine made for a request whose caller left before its
+#: final one (None: it made none, or the engine died): what it generated, for billing.
+OnAbandoned = Callable[[RequestOutput | None], None]
+
+
 class _Stream:
     """Where one request's outputs go. An abandoned stream (the caller left early) stays
-    registered until the engine confirms the abort, so its id is not reused too soon."""
+    registered until the engine confirms the abort, so its id is not reused too soon; its
+    outputs from then on go to ``on_abandoned`` (the last of them, once the engine is done)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_abandoned: OnAbandoned | None) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.abandoned = False
+        self.on_abandoned = on_abandoned
+        self.last: RequestOutput | None = None  # the latest output, once abandoned
 
     def put(self, item: RequestOutput | BaseException) -> None:
         # A closed event loop raises RuntimeError: its caller is gone, nobody is listening.
         with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.receive, item)
+
+    def receive(self, item: RequestOutput | BaseException) -> None:
+        """On the event loop: queue ``item`` for the caller or, abandoned, keep the latest
+        output and end once the request has."""
+        if not self.abandoned:
+            self.queue.put_nowait(item)
+            return
+        if isinstance(item, RequestOutput):
+            self.last = item
+        if isinstance(item, BaseException) or item.finished:
+            self.end()
+
+    def abandon(self) -> bool:
+        """On the event loop: the caller left. Outputs it did not read count as the
+        engine's; returns whether the request had already ended among them."""
+        self.abandoned = True
+        ended = False
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            self.receive(item)
+            ended = ended or isinstance(item, BaseException) or item.finished
+        return ended
+
+    def end(self) -> None:
+        """On the event loop: the engine is done with an abandoned request; told once."""
+        callback, self.on_abandoned = self.on_abandoned, None
+        if callback is not None:
+            callback(self.last)
+
+    def end_soon(self) -> None:
+        """``end`` from any thread (after whatever was put before it)."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.end)
 
 
 def _put_all(batch: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     """On the streams' event loop: hand each item to its stream, in order."""
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.receive(item)
 
 
 class Streams:
@@ -63,17 +104,25 @@ class Streams:
         request: Request,
         submit: Callable[[Request], None],
         abort: Callable[[str], None],
+        on_abandoned: OnAbandoned | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Register ``request``'s stream, ``submit`` it, and yield its outputs until the last;
-        leaving early (a client disconnect cancels the generator) calls ``abort``."""
+        leaving early (a client disconnect cancels the generator) calls ``abort``.
+        ``on_abandoned`` is called exactly once unless the caller reads the final output
+        (refused, failed or left early), once the engine is done with the request."""
         rid = request.request_id
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), on_abandoned)
         with self._lock:  # the same lock under which a dying engine fails every stream
+            refused: KVGateError | None = None
             if self.dead is not None:
-                raise EngineDead(f"engine loop stopped: {self.dead}")
-            if rid in self._streams:
-                raise DuplicateRequestId(rid)
-            self._streams[rid] = stream
+                refused = EngineDead(f"engine loop stopped: {self.dead}")
+            elif rid in self._streams:
+                refused = DuplicateRequestId(rid)
+            else:
+                self._streams[rid] = stream
+        if refused is not None:
+            stream.end()  # nothing generated
+            raise refused
         finished = False
         try:
             submit(request)
@@ -86,12 +135,17 @@ class Streams:
                 if finished:
                     return
         finally:
+            # Left early: outputs not read yet count as the engine's (``abandon``); the stream
+            # stays registered until the engine confirms the abort, unless the request is over.
+            ended = finished or stream.abandon()
             with self._lock:
-                if finished or self.dead is not None:
+                if ended or self.dead is not None:
                     self._streams.pop(rid, None)
-                else:
-                    stream.abandoned = True  # dropped when the engine confirms the abort
-            if not finished and self.dead is None:
+            if finished:
+                pass
+            elif ended or self.dead is not None:
+                stream.end()  # no abort to wait for
+            else:
                 abort(rid)
 
     def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -125,6 +179,7 @@ class Streams:
                 stream = self._streams.get(rid)
                 if stream is not None and stream.abandoned:
                     del self._streams[rid]
+                    stream.end_soon()
 
     def fail_all(self, exc: BaseException) -> None:
         """The engine stopped: every open stream ends with ``EngineDead``, and new ones are
@@ -133,7 +188,7 @@ class Streams:
             self.dead = exc
             streams = list(self._streams.values())
             self._streams.clear()
-        for stream in streams:
+        for stream in streams:  # an abandoned one ends with it (its caller is not told)
             stream.put(EngineDead(f"engine loop stopped: {type(exc).__name__}: {exc}"))
 
     def revive(self) -> None:
@@ -145,10 +200,11 @@ class Streams:
         """The stream that listens for ``request_id``, if any (under ``_lock``)."""
         stream = self._streams.get(request_id)
         if stream is not None and stream.abandoned:
-            # Nobody listens; once the request has ended its id may be used again.
+            # Nobody listens (``on_abandoned`` may); once the request has ended its id may
+            # be used again.
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
-            return None
+            return stream if stream.on_abandoned is not None else None
         return stream
 
 
@@ -213,11 +269,14 @@ class StreamingFront:
         async for out in self.stream(request):
             yield out
 
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, request: Request, on_abandoned: OnAbandoned | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request built (and so validated) by ``engine.make_request``.
 
         Callers that must refuse bad input before they commit to a response (an HTTP stream
-        whose headers are not sent yet) build the request first, then stream it.
+        whose headers are not sent yet) build the request first, then stream it. Leaving
+        early aborts the request; ``on_abandoned`` then hears what it generated.
         """
-        async for out in self._streams.run(request, self._submit, self.abort):
+        async for out in self._streams.run(request, self._submit, self.abort, on_abandoned):
             yield out

@@ -7,7 +7,9 @@ its own so the event loop never waits on a disk except where a guarantee needs i
 - ``delivered``: before the first tokens reach the client (the first streamed chunk with
   text, or a whole response), the row is marked delivered with the counts so far, and the
   caller waits for that commit: a client never holds tokens the ledger does not know of;
-- ``progress``: counts while a stream runs (coalesced, committed within ``flush_s``);
+- ``progress``: counts while a stream runs (coalesced, committed within ``flush_s``), and
+  every ``checkpoint_tokens`` a ``delivered`` mark again, which the stream waits for only
+  when it runs 2 × ``checkpoint_tokens`` ahead of the last commit (``Tracker.deliver``);
 - ``settle``: the final counts and finish reason, status ``settled``.
 
 At start, ``reconcile`` settles what a crash left open: rows delivered but unsettled become
@@ -134,6 +136,14 @@ _SET_COUNTS = (
     "prompt_tokens = v.column2, completion_tokens = v.column3, cached_tokens = v.column4, "
     "kv_block_seconds = v.column5"
 )
+# Counts only grow while a request runs: a delivered mark queued before a later progress
+# may reach the database after it (two batches), and must not set the counts back.
+_GROW_COUNTS = (
+    "prompt_tokens = max(usage.prompt_tokens, v.column2), "
+    "completion_tokens = max(usage.completion_tokens, v.column3), "
+    "cached_tokens = max(usage.cached_tokens, v.column4), "
+    "kv_block_seconds = max(usage.kv_block_seconds, v.column5)"
+)
 
 
 def _values(rows: int, width: int) -> str:
@@ -148,10 +158,16 @@ class Reconciled:
 
 
 class UsageLedger:
-    def __init__(self, path: str | os.PathLike[str], *, flush_s: float = 0.2) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, flush_s: float = 0.2, checkpoint_tokens: int = 32
+    ) -> None:
+        """``flush_s``: seconds progress may wait to be written; ``checkpoint_tokens``:
+        completion tokens of a stream between the commits it may wait for (after a crash
+        its record lacks at most twice that of what its client received)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_s = flush_s
+        self.checkpoint_tokens = checkpoint_tokens
         self._ops: queue.SimpleQueue[tuple[_Op, Future[Any]] | None]
         self._ops = queue.SimpleQueue()
         self._progress: dict[str, Counts] = {}  # row -> latest counts, not yet written
@@ -321,7 +337,7 @@ class UsageLedger:
                 counts[op.row] = (op.counts if seen is None else _max_counts(seen[0], op.counts), 1)
         for chunk in _chunks(list(counts.items())):
             con.execute(
-                f"UPDATE usage SET {_SET_COUNTS}, delivered = max(usage.delivered, v.column6) "
+                f"UPDATE usage SET {_GROW_COUNTS}, delivered = max(usage.delivered, v.column6) "
                 f"FROM (VALUES {_values(len(chunk), 6)}) AS v WHERE usage.id = v.column1",
                 [x for row, (c, mark) in chunk for x in (row, *_count_args(c), mark)],
             )

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 from kvgate.engine.front import EngineFront
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
+from kvgate.engine.streams import OnAbandoned
 from kvgate.errors import KVGateError, QueueTimeout
 from kvgate.server.errors import error_body, status_of
 from kvgate.server.serving import ServingContext
@@ -22,28 +23,37 @@ from kvgate.server.tracker import ChoiceResult, Tracker, profile_headers
 
 
 async def run_merged(
-    engine: EngineFront, requests: Sequence[Request]
+    engine: EngineFront,
+    requests: Sequence[Request],
+    watch: Callable[[int], OnAbandoned] | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Deltas of all ``requests`` as (choice index, delta), each choice's in order.
 
-    Leaving early (a disconnect cancels the consumer) aborts every choice still running.
+    Leaving early (a disconnect cancels the consumer) aborts every choice still running;
+    ``watch(i)``, called as choice ``i``'s engine stream starts, gives what the engine is to
+    tell if it ends unread (what it generated, ``Tracker.watch``).
     """
+
+    def stream(index: int) -> AsyncIterator[RequestOutput]:
+        told = watch(index) if watch is not None else None
+        return engine.stream(requests[index], told)
+
     if len(requests) == 1:
-        async for out in engine.stream(requests[0]):
+        async for out in stream(0):
             yield 0, out
         return
     merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, request: Request) -> None:
+    async def pump(index: int) -> None:
         try:
-            async for out in engine.stream(request):
+            async for out in stream(index):
                 await merged.put((index, out))
         except Exception as exc:
             await merged.put((index, exc))
         else:
             await merged.put((index, None))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
     try:
         remaining = len(tasks)
         while remaining:
@@ -97,7 +107,7 @@ async def stream_choices(
         if opening is not None:
             yield event(opening)
     try:
-        async for i, out in run_merged(ctx.engine, requests):
+        async for i, out in run_merged(ctx.engine, requests, tracker.watch):
             tracker.on_output(i, out)
             chunk = render.delta(i, out) if out.text or (want_logprobs and out.logprobs) else None
             if chunk is not None:
@@ -161,7 +171,7 @@ async def collect_choices(
     ctx: ServingContext, requests: Sequence[Request], tracker: Tracker
 ) -> list[ChoiceResult]:
     try:
-        async for i, out in run_merged(ctx.engine, requests):
+        async for i, out in run_merged(ctx.engine, requests, tracker.watch):
             tracker.on_output(i, out)
     except KVGateError as exc:
         tracker.error = exc.code

@@ -403,7 +403,7 @@ async def _stream(
         if answer.prefix:
             await tracker.deliver()
             yield answer.event("response.output_text.delta", **at, delta=answer.prefix)
-        async for i, out in run_merged(ctx.engine, requests):
+        async for i, out in run_merged(ctx.engine, requests, tracker.watch):
             tracker.on_output(i, out)
             if out.text:
                 answer.text += out.text

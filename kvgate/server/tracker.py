@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from kvgate.engine.messages import TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
 from kvgate.engine.stats import RequestMetrics
+from kvgate.engine.streams import OnAbandoned
 from kvgate.errors import QueueTimeout, RequestFailed
 from kvgate.governance.usage import Counts, UsageLedger
 from kvgate.server.access_log import AccessRecord
@@ -64,6 +66,15 @@ class Tracker:
         self.usage_row = usage_row
         self.delivered = False  # the usage row knows tokens reached the client
         self.settled = False
+        self.closed = False
+        # Choices whose engine stream was entered and has not told how it ended (its final
+        # output read, or ``on_abandoned``): a stream cut short settles once they have, with
+        # what the engine generated, delivered or not.
+        self.open: set[int] = set()
+        # Completion tokens (all choices) the ledger has committed, and a commit under way
+        # with the tokens it holds: bounds what a crash can leave unbilled (``deliver``).
+        self.committed = 0
+        self.checkpoint: tuple[Future[Any], int] | None = None
         self.record = record
         self.admission = admission
         self.span = span
@@ -88,24 +99,80 @@ class Tracker:
         )
 
     async def deliver(self) -> None:
-        """Tokens are about to reach the client: the usage row must say so first."""
+        """Tokens are about to reach the client: the usage row must know them first.
+
+        The first ones: the stream waits for the delivered mark's commit. Later ones go as
+        progress (coalesced, written within the ledger's ``flush_s``), and every
+        ``ledger.checkpoint_tokens`` (N) completion tokens as a commit the stream waits for
+        only once the client would hold more than 2N tokens beyond the last committed
+        count: after a crash a record lacks at most 2N tokens (plus the chunk being sent)
+        of what its client received, without a write or a wait per token."""
+        counts = self.counts()
+        tokens = counts.completion_tokens
         if not self.delivered:
             self.delivered = True
-            await asyncio.wrap_future(self.ledger.delivered(self.usage_row, self.counts()))
+            await asyncio.wrap_future(self.ledger.delivered(self.usage_row, counts))
+            self.committed = tokens
+            return
+        every = self.ledger.checkpoint_tokens
+        if self.checkpoint is not None:
+            future, held = self.checkpoint
+            if not future.done() and tokens - self.committed > 2 * every:
+                await asyncio.wrap_future(future)
+            if future.done():
+                future.result()  # a failed write fails the stream, as the first mark's does
+                self.committed, self.checkpoint = held, None
+        if self.checkpoint is None and tokens - self.committed >= every:
+            self.checkpoint = (self.ledger.delivered(self.usage_row, counts), tokens)
+        else:
+            self.ledger.progress(self.usage_row, counts)
+
+    def watch(self, i: int) -> OnAbandoned:
+        """Choice ``i``'s engine stream starts: what to tell if it is left before its end."""
+        self.open.add(i)
+        return lambda out: self.on_abandoned(i, out)
+
+    def on_abandoned(self, i: int, out: RequestOutput | None) -> None:
+        """Choice ``i`` ended without its final output read (the client left or stalled, or
+        it failed): bill what the engine generated for it (``out``: its last output)."""
+        if i not in self.open:
+            return
+        self.open.discard(i)
+        if out is not None:
+            result = self.results[i]
+            result.num_output_tokens = max(result.num_output_tokens, out.num_output_tokens)
+            result.num_prompt_tokens = result.num_prompt_tokens or out.num_prompt_tokens
+            result.num_cached_tokens = result.num_cached_tokens or out.num_cached_tokens
+            if out.finished:
+                result.finish_reason = result.finish_reason or out.finish_reason
+                result.metrics = result.metrics or out.metrics
+        if self.closed and not self.open:
+            self._settle_stream()
+
+    def finish_reasons(self) -> str:
+        """Each choice's finish reason, in choice order, comma-separated: one not finished
+        by the engine has the stream's error code, or ``abort`` (the server ended it)."""
+        cut = self.error or "abort"
+        return ",".join(r.finish_reason or cut for r in self.results)
 
     async def settle_whole(self) -> None:
         """A whole response is about to be sent: its final usage record, committed first."""
         self.settled = True
         self.delivered = True
-        reason = ",".join(r.finish_reason or "" for r in self.results)
+        reason = self.finish_reasons()
         future = self.ledger.settle(self.usage_row, self.counts(), reason, delivered=True)
         await asyncio.wrap_future(future)
 
-    def close(self) -> None:
-        if not self.settled:  # a stream's end (or a failure): queued, not waited for
+    def _settle_stream(self) -> None:
+        """A stream's end (or a failure): queued, not waited for."""
+        if not self.settled:
             self.settled = True
-            reason = self.error or ",".join(r.finish_reason or "" for r in self.results)
-            self.ledger.settle(self.usage_row, self.counts(), reason)
+            self.ledger.settle(self.usage_row, self.counts(), self.finish_reasons())
+
+    def close(self) -> None:
+        self.closed = True
+        if not self.open:  # else once the engine has told what the cut-short choices made
+            self._settle_stream()
         self.admission.release()
         firsts = self.results[:: self.n]
         self.span.finish(
@@ -125,6 +192,8 @@ class Tracker:
             first = out.metrics.first_token_time if out.metrics is not None else None
             now = first if out.finished and first is not None else time.monotonic()
             self.record.ttft_s = round(now - self.start, 4)
+        if out.finished:
+            self.open.discard(i)
         result = self.results[i]
         result.text += out.text
         result.logprobs.extend(out.logprobs)

@@ -138,3 +138,17 @@ def test_a_flood_is_written_in_a_few_statements_not_one_per_request(
     )
     assert len(writes) < 40, len(writes)  # 300 requests, 4 writes each: 1,200 one by one
     ledger.close()
+
+
+def test_a_late_delivered_mark_does_not_set_the_counts_back(tmp_path: Path) -> None:
+    """A stream's checkpoint (a delivered mark) can reach the database a batch after a
+    later progress write: the record keeps the larger counts, which a crash then keeps."""
+    path = tmp_path / "u.db"
+    ledger = UsageLedger(path, flush_s=0.05)
+    row = ledger.admit("r1", "a", "m", "m@1", prompt_tokens=5)
+    ledger.delivered(row, Counts(5, 40)).result(5)
+    ledger.delivered(row, Counts(5, 33)).result(5)  # queued before the 40, written after
+    ledger._owner_lock.close()  # a crash
+    again = UsageLedger(path)
+    assert _rows(path) == [("r1", "reconciled", 40, "interrupted")]
+    again.close()

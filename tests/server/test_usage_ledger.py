@@ -1,10 +1,17 @@
 """Usage records through the server: one per request that delivered tokens, with the counts
-the client saw; /admin/usage; and kill -9 under load loses no record and invents none."""
+the client saw; /admin/usage; kill -9 under load loses no record and invents none, and a
+record cut short by it has the counts its client received (within the progress bound); what
+the engine generated for a client that stalled or left is billed; n > 1 finish reasons per
+choice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +24,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import LiveServer, _free_port, start_tenants_server
+from kvgate.governance.usage import UsageLedger
+from kvgate.server.limits import RequestLimits
+from tests.server.conftest import LiveServer, _free_port, scrape_metrics, start_tenants_server
 
 TENANTS = """
 admin_keys = ["sk-admin"]
@@ -28,6 +37,12 @@ keys = ["sk-alpha"]
 [tenants.tiny]
 keys = ["sk-tiny"]
 max_context = 8
+
+[tenants.staller]
+keys = ["sk-staller"]
+
+[tenants.leaver]
+keys = ["sk-leaver"]
 """
 
 
@@ -40,7 +55,12 @@ def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tenants_file: Path) -> Iterator[LiveServer]:
-    live = start_tenants_server(tiny_llama_dir, TENANTS, tenants_file.parent)
+    # Long streams (2,000 tokens), and a client that stops reading given up after 1 s.
+    live = start_tenants_server(
+        tiny_llama_dir, TENANTS, tenants_file.parent,
+        engine={"max_model_len": 2048, "kv_cache_memory": "128MiB"},
+        limits=RequestLimits(stalled_client_timeout=1.0),
+    )  # fmt: skip
     yield live
     live.stop()
 
@@ -54,10 +74,10 @@ def _usage(live: LiveServer, **params: str) -> dict[str, object]:
     return body
 
 
-def _record(live: LiveServer, request_id: str) -> dict[str, object]:
-    deadline = time.monotonic() + 5  # a stream's record is settled just after it ends
+def _record(live: LiveServer, request_id: str, tenant: str = "alpha") -> dict[str, object]:
+    deadline = time.monotonic() + 30  # a stream's record is settled just after it ends
     while True:
-        records = _usage(live, tenant="alpha")["records"]
+        records = _usage(live, tenant=tenant)["records"]
         assert isinstance(records, list)
         found = [r for r in records if r["request_id"] == request_id]
         if found and found[0]["status"] == "settled":
@@ -106,16 +126,123 @@ def test_admin_usage_needs_the_admin_key(server: LiveServer) -> None:
     assert resp.status_code == 403
 
 
+def _generated(live: LiveServer, tenant: str) -> float:
+    """Tokens the engine generated for ``tenant`` (its /metrics counter)."""
+    values = scrape_metrics(live, "sk-admin")
+    return sum(
+        v for k, v in values.items()
+        if k.startswith("kvgate:tenant_generation_tokens") and f'tenant="{tenant}"' in k
+    )  # fmt: skip
+
+
+def _billed_as_generated(live: LiveServer, rid: str, tenant: str) -> dict[str, object]:
+    """The request's settled record, once the engine's count of what it generated for the
+    tenant (read after the record settled; it only grows) has come to the record's."""
+    rec = _record(live, rid, tenant)
+    deadline = time.monotonic() + 30
+    while (generated := _generated(live, tenant)) < rec["completion_tokens"]:  # type: ignore[operator]
+        assert time.monotonic() < deadline, (generated, rec)
+        time.sleep(0.05)
+    assert rec["completion_tokens"] == generated, (generated, rec)
+    return rec
+
+
+def _address(live: LiveServer) -> tuple[str, int]:
+    host, port = live.base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+async def _stalled_client(live: LiveServer, body: dict[str, object], key: str, rid: str) -> int:
+    """A client that reads the response head and two events, then no more: the server's
+    next send never completes. Driven on the server's own ASGI app and event loop: a real
+    socket only blocks the server once the kernel's buffers are full, and on loopback the
+    kernel grows the send buffer to 4 MiB (tens of seconds of tokens on a busy machine).
+    Returns the body messages the client took (the events it received)."""
+    payload = json.dumps(body).encode()
+    requested = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # the client never hangs up
+        raise AssertionError("unreachable")
+
+    taken = 0
+
+    async def send(message: dict[str, object]) -> None:
+        nonlocal taken
+        if message["type"] == "http.response.body" and message.get("body"):
+            if taken >= 2:
+                await asyncio.Event().wait()  # stopped reading
+            taken += 1
+
+    headers = [(b"authorization", f"Bearer {key}".encode()), (b"x-request-id", rid.encode()),
+               (b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]  # fmt: skip
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 1), "server": _address(live),
+    }  # fmt: skip
+    await live.server.config.loaded_app(scope, receive, send)
+    return taken
+
+
+def test_a_stalled_clients_generated_tokens_are_billed(server: LiveServer) -> None:
+    """The audit's probe in small: a client asks for a long stream and stops reading; the
+    stalled-client timeout (1 s) aborts it, and its record bills every token the engine made
+    meanwhile, not only those that went out before the send blocked (the audit: 2,864 made,
+    1,564 billed)."""
+    body = {"prompt": "never read", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    loop = server.server.servers[0].get_loop()
+    run = asyncio.run_coroutine_threadsafe(
+        _stalled_client(server, body, "sk-staller", "stalled-1"), loop
+    )
+    assert run.result(60) == 2  # the stream was given up while its send was blocked
+    rec = _billed_as_generated(server, "stalled-1", "staller")
+    completion = rec["completion_tokens"]
+    assert isinstance(completion, int) and 0 < completion < 2000  # cut short by the stall
+    assert rec["finish_reason"] == "abort"
+
+
+def test_an_abandoned_n_choice_stream_keeps_each_choices_finish_reason(
+    server: LiveServer,
+) -> None:
+    """A client reads a few chunks of an n=4 stream and leaves: the record bills what the
+    engine made for the four choices and says per choice how each ended (the audit found
+    ",,,,,,,,,,,,,,," for an aborted n=16 stream)."""
+    body = {"prompt": "four ways", "max_tokens": 2000, "stream": True, "ignore_eos": True, "n": 4}
+    with httpx.stream(
+        "POST", f"{server.api_url}/completions", json=body, timeout=60,
+        headers={"authorization": "Bearer sk-leaver", "x-request-id": "left-1"},
+    ) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        texts = 0
+        for line in resp.iter_lines():
+            texts += line.startswith("data: {") and '"text":""' not in line
+            if texts >= 8:
+                break  # and the connection closes
+    rec = _billed_as_generated(server, "left-1", "leaver")
+    assert rec["finish_reason"] == "abort,abort,abort,abort"
+    completion = rec["completion_tokens"]
+    assert isinstance(completion, int) and 8 <= completion < 4 * 2000
+
+
 # ---------------------------------------------------------------------------- kill -9
 
 
-def _serve(model: Path, port: int, tenants: Path, db: Path) -> subprocess.Popen[str]:
+def _serve(
+    model: Path, port: int, tenants: Path, db: Path, *, max_model_len: int = 512
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable, "-m", "kvgate.entrypoints.cli", "serve", "--model", str(model),
             "--dtype", "float32", "--port", str(port), "--kv-cache-memory", "16MiB",
-            "--max-model-len", "512", "--max-num-seqs", "2", "--tenants", str(tenants),
-            "--usage-db", str(db), "--served-model-name", "tiny",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "2",
+            "--tenants", str(tenants), "--usage-db", str(db), "--served-model-name", "tiny",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -218,3 +345,70 @@ def test_kill_9_under_load_leaves_one_record_per_request_that_received_tokens(
         assert (
             con.execute("SELECT COUNT(*) FROM usage WHERE status = 'admitted'").fetchone()[0] == 0
         )
+
+
+_EVENT = re.compile(rb"data: (\{.*?\})\n\n")
+
+
+def _tokens_in(raw: bytes) -> int:
+    """Tokens in the whole events of a completions stream (each event's logprobs name its
+    tokens; an event cut off by the kill did not reach the client)."""
+    total = 0
+    for m in _EVENT.finditer(raw):
+        for choice in json.loads(m.group(1)).get("choices") or []:
+            total += len((choice.get("logprobs") or {}).get("tokens") or [])
+    return total
+
+
+def test_kill_9_mid_stream_leaves_the_counts_the_client_received(
+    tiny_llama_dir: Path, tenants_file: Path, tmp_path: Path
+) -> None:
+    """The audit's probe in small: a stream read for a while, then ``kill -9``; the ledger
+    reopened has the stream's record with the tokens its client received (the audit: 17
+    chunks received, 1 recorded). Bound: progress is committed at least every
+    ``checkpoint_tokens`` (N) and the stream waits for a commit once it is 2N ahead, so the
+    record lacks at most 2N tokens plus the chunk being sent; it may hold one chunk more than
+    arrived (counted just before its bytes went out)."""
+    db, port = tmp_path / "usage.db", _free_port()
+    proc = _serve(tiny_llama_dir, port, tenants_file, db, max_model_len=2048)
+    body = json.dumps({"prompt": "a long story", "max_tokens": 1500, "stream": True,
+                       "ignore_eos": True, "logprobs": 0}).encode()  # fmt: skip
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        "authorization: Bearer sk-alpha\r\nx-request-id: killed-1\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    raw = b""
+    try:
+        _healthy(f"http://127.0.0.1:{port}", proc)
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(head.encode() + body)
+            while _tokens_in(raw) < 120:  # read as a client does, for a while
+                data = sock.recv(65536)
+                assert data, raw[-500:]
+                raw += data
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            while True:  # what was on its way when the server died arrives still
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                raw += data
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    received = _tokens_in(raw)
+    assert b"[DONE]" not in raw  # cut short, not finished
+    ledger = UsageLedger(db)  # the next start's reconciliation
+    try:
+        assert ledger.last_reconcile.reconciled == 1
+        (rec,) = [r for r in ledger.query()["records"] if r["request_id"] == "killed-1"]
+        bound = 2 * ledger.checkpoint_tokens + 1
+    finally:
+        ledger.close()
+    assert (rec["status"], rec["finish_reason"]) == ("reconciled", "interrupted")
+    assert received - bound <= rec["completion_tokens"] <= received + 1, (received, rec)
+    assert rec["prompt_tokens"] > 0
