@@ -210,9 +210,11 @@ class DocsService:
         chunking: dict[str, Any],
         metadata: dict[str, Any],
     ) -> StoreRecord:
-        for file_id in file_ids:  # every file must exist for the caller before anything
+        limits = self.limits(tenant)
+        for file_id in file_ids:  # every file must exist, and fit, before anything
             self.file(tenant, file_id)
-        record = self.store.add_store(tenant, name, chunking, metadata, self.limits(tenant))
+            self.store.check_room(tenant, "", file_id, limits)
+        record = self.store.add_store(tenant, name, chunking, metadata, limits)
         for file_id in file_ids:
             self.add_store_file(tenant, record.id, file_id, chunking, {})
         return record
