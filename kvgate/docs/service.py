@@ -241,8 +241,7 @@ class DocsService:
     ) -> StoreFileRecord:
         store = self.vector_store(tenant, store_id)
         file = self.file(store.tenant, file_id)  # a store holds its own tenant's files only
-        limits = self.limits(store.tenant)
-        self.store.check_room(store.tenant, store_id, file.id, limits)  # full: refused now
+        limits = self.check_room(store, file.id)
         self.store.set_limits(store.tenant, limits)  # what its job checks, in its process
         record = self.store.add_store_file(
             store_id, file.id, chunking or store.chunking, attributes
@@ -250,6 +249,13 @@ class DocsService:
         self._sync(store_id)  # its old chunks, if it was there, leave the index now
         self._enqueue(record)
         return record
+
+    def check_room(self, store: StoreRecord, file_id: str) -> StorageLimits:
+        """StorageQuotaExceeded when the store's tenant (or the store) is already at a limit,
+        so indexing ``file_id`` there cannot fit; else the tenant's limits."""
+        limits = self.limits(store.tenant)
+        self.store.check_room(store.tenant, store.id, file_id, limits)
+        return limits
 
     def store_file(self, tenant: str | None, store_id: str, file_id: str) -> StoreFileRecord:
         self.vector_store(tenant, store_id)

@@ -1,7 +1,8 @@
 """What a server leaves on disk is its owner's only, whatever the umask: after uploads, an
 indexed vector store and a chat (the documents database with its -wal and -shm, the
 uploads, the usage ledger and its lock files), every file under the data directory is 0600
-and every directory 0700; and storage quotas reach the client as OpenAI errors."""
+and every directory 0700; and storage quotas (stores, chunks) reach the client as OpenAI
+errors before anything is added."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ TENANTS = """
 [tenants.a]
 keys = ["sk-a"]
 max_vector_stores = 1
+max_chunks = 1
 """
 
 
@@ -82,6 +84,12 @@ def test_everything_under_the_data_directory_is_private(
             client.vector_stores.create(name="one too many")
         assert refused.value.code == "storage_quota_exceeded"
         _wait_completed(client, store.id)
+        # Its one chunk is all it may store: a batch of another file is refused whole.
+        other = client.files.create(file=("more.md", io.BytesIO(b"# more")), purpose="assistants")
+        with pytest.raises(openai.BadRequestError, match="max_chunks") as refused:
+            client.vector_stores.file_batches.create(store.id, file_ids=[other.id])
+        assert refused.value.code == "storage_quota_exceeded"
+        assert [f.id for f in client.vector_stores.files.list(store.id)] == [made.id]
     r = httpx.post(
         f"{live.api_url}/chat/completions",
         headers={"Authorization": "Bearer sk-a"},
