@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.docs.quota import StorageQuotaExceeded
 from kvgate.docs.retrieval import Embedder, index_text, words
 from kvgate.docs.store import DocStore, StoredChunk
 from kvgate.docs.text import UnreadableFile, extract_text
@@ -69,6 +70,11 @@ def ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job
     was removed, or added again (a newer job), stops at its next check and writes nothing."""
     try:
         _ingest(store, embedder, store_id, file_id, job)
+    except StorageQuotaExceeded as exc:  # its text or chunks would pass the tenant's quota
+        log.info("ingest %s %s: refused: %s", store_id, file_id, exc.message)
+        store.finish_store_file(
+            store_id, file_id, job, "failed", {"code": exc.code, "message": exc.message}
+        )
     except Exception as exc:
         log.exception("ingestion of %s into %s failed", file_id, store_id)
         store.finish_store_file(
@@ -99,6 +105,7 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
             return  # the file was deleted meanwhile
         store.set_text(file_id, text, None)
     chunks = chunks_of(text, record.chunking, embedder.count_tokens)
+    store.check_chunks(store_id, file_id, chunks)  # over quota: before embedding them
     title = title_of(text, file.filename)
     stored: list[StoredChunk] = []
     for i in range(0, len(chunks), EMBED_BATCH):

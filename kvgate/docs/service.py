@@ -30,10 +30,17 @@ import numpy as np
 
 from kvgate.docs.filters import matches
 from kvgate.docs.ingest import IngestProcess, described
+from kvgate.docs.quota import StorageLimits, StorageQuotaExceeded
 from kvgate.docs.retrieval import Embedder, HybridIndex, words
 from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
 from kvgate.docs.text import SUFFIXES, suffix_of
 from kvgate.errors import InvalidRequest, KVGateError
+
+#: The quota's two names are docs/quota.py's, imported from here as well.
+__all__ = [
+    "LEASE_S", "RENEW_S", "DocsService", "NotFound", "SearchResult", "StorageLimits",
+    "StorageQuotaExceeded", "chunking_of",
+]  # fmt: skip
 
 log = logging.getLogger("kvgate.docs")
 
@@ -42,18 +49,6 @@ class NotFound(KVGateError):
     """A file or vector store that does not exist for this caller (404)."""
 
     code = "not_found"
-
-
-class StorageQuotaExceeded(InvalidRequest):
-    code = "storage_quota_exceeded"
-
-
-@dataclass(frozen=True)
-class StorageLimits:
-    """Per tenant: most files and bytes stored (None: no limit)."""
-
-    max_files: int | None = None
-    max_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +145,6 @@ class DocsService:
         self.priority = priority
         self._indexes: dict[str, _SyncedIndex] = {}
         self._index_lock = threading.Lock()
-        self._upload_lock = threading.Lock()
         self._pending: dict[str, _Job] = {}  # by job id
         self._worker = IngestProcess(
             (str(store.directory), store.url), embedder, priority, self._job_done, self._job_lost
@@ -178,11 +172,8 @@ class DocsService:
     # ------------------------------------------------------------------ files
 
     def add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
-        with self._upload_lock:  # the quota check and the insert together: uploads race
-            return self._add_file(tenant, filename, purpose, data_path)
-
-    def _add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
-        size = data_path.stat().st_size
+        """Take an upload; its quota (``docs/quota.py``) is checked in the transaction that
+        adds it, so uploads racing cannot pass it together."""
         if suffix_of(filename) not in SUFFIXES:
             data_path.unlink(missing_ok=True)
             raise InvalidRequest(
@@ -190,23 +181,11 @@ class DocsService:
                 + ", ".join(SUFFIXES),
                 param="file",
             )
-        limits = self.limits(tenant)
-        count, used = self.store.usage(tenant)
-        if limits.max_files is not None and count + 1 > limits.max_files:
+        try:
+            return self.store.add_file(tenant, filename, purpose, data_path, self.limits(tenant))
+        except StorageQuotaExceeded:
             data_path.unlink(missing_ok=True)
-            raise StorageQuotaExceeded(
-                f"tenant {tenant!r} stores {count} files, its limit (max_files) is "
-                f"{limits.max_files}; delete some first",
-                param="file",
-            )
-        if limits.max_bytes is not None and used + size > limits.max_bytes:
-            data_path.unlink(missing_ok=True)
-            raise StorageQuotaExceeded(
-                f"tenant {tenant!r} stores {used} bytes; this file's {size} would pass its "
-                f"limit (max_storage_bytes) of {limits.max_bytes}",
-                param="file",
-            )
-        return self.store.add_file(tenant, filename, purpose, data_path)
+            raise
 
     def file(self, tenant: str | None, file_id: str) -> FileRecord:
         record = self.store.file(file_id, tenant)
@@ -231,9 +210,11 @@ class DocsService:
         chunking: dict[str, Any],
         metadata: dict[str, Any],
     ) -> StoreRecord:
-        for file_id in file_ids:  # every file must exist for the caller before anything
+        limits = self.limits(tenant)
+        for file_id in file_ids:  # every file must exist, and fit, before anything
             self.file(tenant, file_id)
-        record = self.store.add_store(tenant, name, chunking, metadata)
+            self.store.check_room(tenant, "", file_id, limits)
+        record = self.store.add_store(tenant, name, chunking, metadata, limits)
         for file_id in file_ids:
             self.add_store_file(tenant, record.id, file_id, chunking, {})
         return record
@@ -260,12 +241,21 @@ class DocsService:
     ) -> StoreFileRecord:
         store = self.vector_store(tenant, store_id)
         file = self.file(store.tenant, file_id)  # a store holds its own tenant's files only
+        limits = self.check_room(store, file.id)
+        self.store.set_limits(store.tenant, limits)  # what its job checks, in its process
         record = self.store.add_store_file(
             store_id, file.id, chunking or store.chunking, attributes
         )
         self._sync(store_id)  # its old chunks, if it was there, leave the index now
         self._enqueue(record)
         return record
+
+    def check_room(self, store: StoreRecord, file_id: str) -> StorageLimits:
+        """StorageQuotaExceeded when the store's tenant (or the store) is already at a limit,
+        so indexing ``file_id`` there cannot fit; else the tenant's limits."""
+        limits = self.limits(store.tenant)
+        self.store.check_room(store.tenant, store.id, file_id, limits)
+        return limits
 
     def store_file(self, tenant: str | None, store_id: str, file_id: str) -> StoreFileRecord:
         self.vector_store(tenant, store_id)

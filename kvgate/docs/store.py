@@ -5,7 +5,13 @@ terms, and every status live in the database, so the search indexes are rebuilt 
 start without embedding anything again.
 
 Everything is owned by a tenant; lookups take the caller's tenant (None: an admin, who sees
-everything) and treat another tenant's object as absent.
+everything) and treat another tenant's object as absent. What a tenant stores is counted as
+it is written, and its quota (``docs/quota.py``) checked in the same transaction: an
+upload's bytes, a file's extracted text (``files.text_bytes``), each store's chunks
+(``store_files.chunks``, and ``usage_bytes``: the bytes of their text, terms, section and
+vector as written).
+
+The directory and what kvgate writes there are its owner's only (``private_files.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,17 @@ from typing import Any
 import numpy as np
 
 from kvgate.docs.chunking import Chunk
-from kvgate.docs.db import Database, Row, open_database
+from kvgate.docs.db import Database, Row, Tx, open_database
+from kvgate.docs.quota import (
+    StorageLimits,
+    StoredUsage,
+    check_chunks,
+    check_room,
+    check_store,
+    check_text,
+    check_upload,
+)
+from kvgate.private_files import private_dir
 
 _INSERT_CHUNK = (
     'INSERT INTO chunks (store_id, file_id, seq, start, "end", section, text, terms, vector) '
@@ -36,6 +52,11 @@ def _chunk_row(c: StoredChunk) -> tuple[Any, ...]:
         json.dumps(c.chunk.section, ensure_ascii=False), c.chunk.text, "\x1f".join(c.terms),
         c.vector.astype(np.float32).tobytes(),
     )  # fmt: skip
+
+
+def _row_bytes(row: Sequence[Any]) -> int:
+    """Bytes a chunk row stores: its section path, text, terms and vector."""
+    return len(row[5].encode()) + len(row[6].encode()) + len(row[7].encode()) + len(row[8])
 
 
 def default_dir() -> Path:
@@ -118,10 +139,18 @@ class DocStore:
     ``directory``; ``directory`` also spools uploads as they arrive."""
 
     def __init__(self, directory: str | os.PathLike[str], url: str | None = None) -> None:
-        self.directory = Path(directory)
-        (self.directory / "files").mkdir(parents=True, exist_ok=True)
+        # The directory itself keeps the mode an operator gave it (the start-up check says
+        # whether others may read it); the folders kvgate lays out in it are 0700.
+        self.directory = private_dir(directory, ours=False)
+        private_dir(self.directory / "files")
+        private_dir(self.spool)
         self._db: Database = open_database(self.directory, url)
         self.url = url
+
+    @property
+    def spool(self) -> Path:
+        """Where uploads are written as they arrive (0700; each upload 0600)."""
+        return self.directory / "incoming"
 
     @property
     def shared(self) -> bool:
@@ -153,12 +182,23 @@ class DocStore:
 
     # ------------------------------------------------------------------ files
 
-    def add_file(self, tenant: str, filename: str, purpose: str, data_path: Path) -> FileRecord:
-        """Take the uploaded bytes at ``data_path`` (moved into the store)."""
+    def add_file(
+        self,
+        tenant: str,
+        filename: str,
+        purpose: str,
+        data_path: Path,
+        limits: StorageLimits | None = None,
+    ) -> FileRecord:
+        """Take the uploaded bytes at ``data_path`` (moved into the store); over ``limits``:
+        StorageQuotaExceeded, and the bytes stay where they are."""
         record = FileRecord(
             new_id("file-"), tenant, filename, purpose, data_path.stat().st_size, int(time.time())
         )
         with self._db.transaction() as tx:
+            if limits is not None:
+                self._hold(tx, tenant)
+                check_upload(tenant, limits, self._usage(tx, tenant), record.bytes)
             if self.shared:
                 tx.write(
                     "INSERT INTO file_data (id, data) VALUES (?, ?)",
@@ -193,7 +233,98 @@ class DocStore:
         return bytes(rows[0][0])
 
     def set_text(self, file_id: str, text: str | None, error: str | None) -> None:
-        self._write("UPDATE files SET text = ?, error = ? WHERE id = ?", (text, error, file_id))
+        """Keep the file's extracted text (or why it has none); a text that would pass its
+        tenant's quota: StorageQuotaExceeded, and nothing is written."""
+        size = len(text.encode()) if text is not None else 0
+        with self._db.transaction() as tx:
+            found = tx.rows("SELECT tenant FROM files WHERE id = ?", (file_id,))
+            if not found:
+                return
+            tenant = found[0][0]
+            if size:
+                limits = self._lock_tenant(tx, tenant)
+                check_text(tenant, limits, self._usage(tx, tenant, text_of=file_id), size)
+            tx.write(
+                "UPDATE files SET text = ?, error = ?, text_bytes = ? WHERE id = ?",
+                (text, error, size, file_id),
+            )
+
+    # ------------------------------------------------------------------ quotas
+
+    def set_limits(self, tenant: str, limits: StorageLimits) -> None:
+        """The tenant's quota as its ingestion jobs (in another process) will check it."""
+        self._write(
+            "INSERT INTO quotas (tenant, limits) VALUES (?, ?) "
+            "ON CONFLICT (tenant) DO UPDATE SET limits = excluded.limits",
+            (tenant, limits.to_json()),
+        )
+
+    def _hold(self, tx: Tx, tenant: str) -> None:
+        """Hold the tenant's storage until ``tx`` ends: its quota is checked and its data
+        written by one transaction at a time."""
+        if self._db.lock_tenant:
+            tx.rows(self._db.lock_tenant, (tenant,))
+
+    def _lock_tenant(self, tx: Tx, tenant: str) -> StorageLimits:
+        """``_hold``, and the tenant's quota as last set (``set_limits``)."""
+        self._hold(tx, tenant)
+        rows = tx.rows("SELECT limits FROM quotas WHERE tenant = ?", (tenant,))
+        return StorageLimits.from_json(rows[0][0]) if rows else StorageLimits()
+
+    @staticmethod
+    def _usage(
+        tx: Tx, tenant: str, text_of: str = "", chunks_of: tuple[str, str] = ("", "")
+    ) -> StoredUsage:
+        """What ``tenant`` stores, without the text of file ``text_of`` and the chunks of
+        ``chunks_of`` (store, file): what a write is about to replace."""
+        ((files, uploaded, text),) = tx.rows(
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
+            "COALESCE(SUM(CASE WHEN id = ? THEN 0 ELSE text_bytes END), 0) "
+            "FROM files WHERE tenant = ?",
+            (text_of, tenant),
+        )
+        ((chunks, index),) = tx.rows(
+            "SELECT COALESCE(SUM(f.chunks), 0), COALESCE(SUM(f.usage_bytes), 0) "
+            "FROM store_files f JOIN stores s ON s.id = f.store_id "
+            "WHERE s.tenant = ? AND NOT (f.store_id = ? AND f.file_id = ?)",
+            (tenant, *chunks_of),
+        )
+        ((stores,),) = tx.rows("SELECT COUNT(*) FROM stores WHERE tenant = ?", (tenant,))
+        return StoredUsage(
+            int(files), int(uploaded), int(text), int(index), int(chunks), int(stores)
+        )
+
+    @staticmethod
+    def _store_bytes(tx: Tx, store_id: str, without: str = "") -> int:
+        ((total,),) = tx.rows(
+            "SELECT COALESCE(SUM(usage_bytes), 0) FROM store_files "
+            "WHERE store_id = ? AND file_id <> ?",
+            (store_id, without),
+        )
+        return int(total)
+
+    def check_room(self, tenant: str, store_id: str, file_id: str, limits: StorageLimits) -> None:
+        """StorageQuotaExceeded when indexing ``file_id`` into the store cannot fit at all
+        (the tenant or the store already at a limit, counting what it would replace)."""
+        with self._db.transaction() as tx:
+            used = self._usage(tx, tenant, chunks_of=(store_id, file_id))
+            check_room(tenant, limits, used, self._store_bytes(tx, store_id, file_id))
+
+    def check_chunks(self, store_id: str, file_id: str, chunks: Sequence[Chunk]) -> None:
+        """Before embedding: StorageQuotaExceeded when these chunks alone (their text, not
+        yet their terms and vectors) would pass the store's tenant's quota."""
+        size = sum(len(c.text.encode()) for c in chunks)
+        with self._db.transaction() as tx:
+            self._check_chunks(tx, store_id, file_id, len(chunks), size)
+
+    def _check_chunks(self, tx: Tx, store_id: str, file_id: str, count: int, size: int) -> None:
+        found = tx.rows("SELECT tenant FROM stores WHERE id = ?", (store_id,))
+        if not found:
+            return
+        tenant = found[0][0]
+        limits = self._lock_tenant(tx, tenant)
+        used = self._usage(tx, tenant, chunks_of=(store_id, file_id))
+        check_chunks(tenant, limits, used, self._store_bytes(tx, store_id, file_id), count, size)
 
     def file(self, file_id: str, tenant: str | None, with_text: bool = True) -> FileRecord | None:
         """The file (its extracted text too unless ``with_text`` is False: a long law's is
@@ -218,12 +349,10 @@ class DocStore:
         )
         return [FileRecord(*row) for row in rows]
 
-    def usage(self, tenant: str) -> tuple[int, int]:
-        """(files, bytes) the tenant stores."""
-        ((count, total),) = self._rows(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?", (tenant,)
-        )
-        return int(count), int(total)
+    def usage(self, tenant: str) -> StoredUsage:
+        """What the tenant stores."""
+        with self._db.transaction() as tx:
+            return self._usage(tx, tenant)
 
     def delete_file(self, file_id: str) -> None:
         with self._db.transaction() as tx:
@@ -243,15 +372,25 @@ class DocStore:
     # ------------------------------------------------------------------ vector stores
 
     def add_store(
-        self, tenant: str, name: str | None, chunking: dict[str, Any], metadata: dict[str, Any]
+        self,
+        tenant: str,
+        name: str | None,
+        chunking: dict[str, Any],
+        metadata: dict[str, Any],
+        limits: StorageLimits | None = None,
     ) -> StoreRecord:
+        """A new vector store; one past ``limits``: StorageQuotaExceeded."""
         now = int(time.time())
         record = StoreRecord(new_id("vs_"), tenant, name, now, now, chunking, metadata)
-        self._write(
-            "INSERT INTO stores (id, tenant, name, created_at, last_active_at, chunking, metadata)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (record.id, tenant, name, now, now, json.dumps(chunking), json.dumps(metadata)),
-        )
+        with self._db.transaction() as tx:
+            if limits is not None:
+                self._hold(tx, tenant)
+                check_store(tenant, limits, self._usage(tx, tenant))
+            tx.write(
+                "INSERT INTO stores (id, tenant, name, created_at, last_active_at, chunking, "
+                "metadata) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.id, tenant, name, now, now, json.dumps(chunking), json.dumps(metadata)),
+            )
         return record
 
     def _store(self, row: Row) -> StoreRecord:
@@ -417,8 +556,10 @@ class DocStore:
     ) -> bool:
         """Write job ``job``'s chunks and mark its file completed, in one transaction, only
         while the row is still that job's (a file removed or added again meanwhile is left
-        to whoever did it); replaces any chunks the file had in the store."""
-        usage = sum(len(c.chunk.text.encode()) for c in chunks)
+        to whoever did it); replaces any chunks the file had in the store. Chunks that would
+        pass the tenant's quota: StorageQuotaExceeded, and nothing is written."""
+        rows = [_chunk_row(c) for c in chunks]
+        usage = sum(_row_bytes(r) for r in rows)
         with self._db.transaction() as tx:
             current = tx.rows(
                 "SELECT 1 FROM store_files WHERE store_id = ? AND file_id = ? AND job = ?"
@@ -427,12 +568,13 @@ class DocStore:
             )
             if not current:
                 return False
+            self._check_chunks(tx, store_id, file_id, len(rows), usage)
             tx.write("DELETE FROM chunks WHERE store_id = ? AND file_id = ?", (store_id, file_id))
-            tx.write_many(_INSERT_CHUNK, [_chunk_row(c) for c in chunks])
+            tx.write_many(_INSERT_CHUNK, rows)
             tx.write(
                 "UPDATE store_files SET status = 'completed', last_error = NULL, "
-                "usage_bytes = ? WHERE store_id = ? AND file_id = ?",
-                (usage, store_id, file_id),
+                "usage_bytes = ?, chunks = ? WHERE store_id = ? AND file_id = ?",
+                (usage, len(rows), store_id, file_id),
             )
         return True
 

@@ -99,6 +99,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "$KVGATE_DATA_DIR, else ~/.local/share/kvgate)",
     )
     g.add_argument(
+        "--strict-data-dir",
+        action="store_true",
+        help="refuse to start when --data-dir or the usage ledger's folder may be read by "
+        "other users (default: a warning); kvgate makes its own folders 0700, files 0600",
+    )
+    g.add_argument(
         "--docs-url",
         default=None,
         help="the documents database: postgresql://user@host/db to share files and vector "
@@ -331,6 +337,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         access_log=a.access_log,
         usage_db=a.usage_db,
         data_dir=a.data_dir,
+        strict_data_dir=a.strict_data_dir,
         docs_url=a.docs_url,
         ingest_priority=a.ingest_priority,
         embed_precision=a.embed_precision,
@@ -391,6 +398,26 @@ def engine_loader(
     return load
 
 
+def check_data_dirs(config: ServerConfig) -> list[str]:
+    """The folders the server keeps data in (files, vector stores, the usage ledger) that
+    other users may read: a warning each, or, with ``--strict-data-dir``, InvalidConfig.
+    Before anything is written there; a folder not there yet is made 0700."""
+    from kvgate.private_files import exposed
+    from kvgate.server.app import data_dir_of, usage_path_of
+
+    folders = dict.fromkeys([data_dir_of(config), os.path.dirname(usage_path_of(config)) or "."])
+    found = [why for why in map(exposed, folders) if why is not None]
+    if found and config.strict_data_dir:
+        raise InvalidConfig(
+            "data readable by other users: " + "; ".join(found) + " (chmod 700 it, or start "
+            "without --strict-data-dir)",
+            param="data_dir",
+        )
+    for why in found:
+        log.warning("%s: other local users may read what kvgate stores there (chmod 700)", why)
+    return found
+
+
 def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
     import uvicorn
 
@@ -398,6 +425,7 @@ def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
     from kvgate.server.http import uvicorn_config
 
     setup_logging(config)
+    check_data_dirs(config)
     failed: list[BaseException] = []
     dead: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -21,7 +21,10 @@ TOML (or YAML, by extension)::
     prefix_isolation = true                    # never share prefix-cache blocks with others
     models = ["smollm2"]                       # the served models it may call (default: all)
     max_files = 1000                           # files it may store (/v1/files)
-    max_storage_bytes = 1073741824             # bytes of files it may store
+    max_storage_bytes = 1073741824             # bytes stored: files, their text, indexes
+    max_vector_stores = 100                    # vector stores it may have
+    max_chunks = 1000000                       # chunks (one vector each), all its stores
+    max_store_bytes = 268435456                # bytes of one store's chunks and vectors
 
 Without a tenants file the server runs open as one ``default`` tenant with no limits.
 """
@@ -87,9 +90,15 @@ class TenantSpec:
     prefix_isolation: bool = True
     #: The served model names this tenant may call; None: every one.
     models: tuple[str, ...] | None = None
-    #: Most files, and bytes of files, the tenant may store (/v1/files); None: no limit.
+    #: Most files the tenant may store (/v1/files), and bytes in all: the files, their
+    #: extracted text, and each vector store's chunks with their vectors; None: no limit.
     max_files: int | None = None
     max_storage_bytes: int | None = None
+    #: Most vector stores; chunks (one vector each) over all its stores; bytes of one
+    #: store's chunks and vectors (docs/quota.py). None: no limit.
+    max_vector_stores: int | None = None
+    max_chunks: int | None = None
+    max_store_bytes: int | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -127,7 +136,7 @@ _NUMBER_FIELDS = {
 }  # fmt: skip
 _INT_FIELDS = {
     "requests_per_minute", "tokens_per_minute", "max_context", "max_concurrent", "max_files",
-    "max_storage_bytes",
+    "max_storage_bytes", "max_vector_stores", "max_chunks", "max_store_bytes",
 }  # fmt: skip
 
 

@@ -40,6 +40,8 @@ from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvgate.private_files import open_private, private_dir, private_file, tighten
+
 log = logging.getLogger("kvgate.usage")
 
 _SCHEMA = """
@@ -165,7 +167,12 @@ class UsageLedger:
         completion tokens of a stream between the commits it may wait for (after a crash
         its record lacks at most twice that of what its client received)."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Its owner's only (it names tenants and what they did): the folder 0700 when made
+        # here, the database 0600 before SQLite opens it (its -wal and -shm take its mode).
+        private_dir(self.path.parent, ours=False)
+        private_file(self.path)
+        for suffix in ("-wal", "-shm", "-journal"):
+            tighten(f"{self.path}{suffix}")
         self.flush_s = flush_s
         self.checkpoint_tokens = checkpoint_tokens
         self._ops: queue.SimpleQueue[tuple[_Op, Future[Any]] | None]
@@ -180,8 +187,8 @@ class UsageLedger:
         con.close()
         self.owner = uuid.uuid4().hex
         self._owners = Path(f"{self.path}.owners")
-        self._owners.mkdir(exist_ok=True)
-        self._owner_lock = open(self._owners / self.owner, "w")  # noqa: SIM115 (held for life)
+        private_dir(self._owners)
+        self._owner_lock = os.fdopen(open_private(self._owners / self.owner), "w")
         fcntl.flock(self._owner_lock, fcntl.LOCK_EX)
         self.last_reconcile = self._reconcile()
         self._thread = threading.Thread(target=self._run, name="kvgate-usage", daemon=True)
@@ -200,7 +207,7 @@ class UsageLedger:
             return True  # a row from before owners: its process is the one restarting
         path = self._owners / owner
         try:
-            with open(path, "a") as f:
+            with os.fdopen(open_private(path, "a"), "a") as f:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False

@@ -208,8 +208,18 @@ def _governance(config: ServerConfig, buckets: RateBuckets | None) -> Governance
     return Governance(TenantsConfig.open_config(), None, metrics, buckets)
 
 
+def data_dir_of(config: ServerConfig) -> str:
+    """Where the server keeps files and vector stores."""
+    return str(config.data_dir or os.environ.get("KVGATE_DATA_DIR") or docs_default_dir())
+
+
+def usage_path_of(config: ServerConfig) -> str:
+    """The usage ledger's file."""
+    return str(config.usage_db or os.environ.get("KVGATE_USAGE_DB") or usage_default_path())
+
+
 def _docs(config: ServerConfig, governance: Governance) -> DocsService:
-    directory = config.data_dir or os.environ.get("KVGATE_DATA_DIR") or docs_default_dir()
+    directory = data_dir_of(config)
     url = config.docs_url or os.environ.get("KVGATE_DOCS_URL") or None
     try:
         store = DocStore(directory, url)
@@ -225,15 +235,20 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
 
     def limits(tenant: str) -> StorageLimits:
         spec = governance.spec(tenant)
-        return StorageLimits(spec.max_files, spec.max_storage_bytes)
+        return StorageLimits(
+            max_files=spec.max_files,
+            max_bytes=spec.max_storage_bytes,
+            max_chunks=spec.max_chunks,
+            max_stores=spec.max_vector_stores,
+            max_store_bytes=spec.max_store_bytes,
+        )
 
     embedder = functools.partial(E5Embedder, precision=config.embed_precision)  # pickles
     return DocsService(store, embedder, limits, priority=config.ingest_priority)
 
 
 def _usage_ledger(config: ServerConfig) -> UsageLedger:
-    path = config.usage_db or os.environ.get("KVGATE_USAGE_DB") or usage_default_path()
-    ledger = UsageLedger(path)
+    ledger = UsageLedger(usage_path_of(config))
     log.info("usage ledger: %s", ledger.path)
     return ledger
 

@@ -57,6 +57,9 @@ class ServerConfig:
     #: Where files, vector stores and their indexes live (None: $KVGATE_DATA_DIR, else
     #: ~/.local/share/kvgate); see kvgate/docs.
     data_dir: str | None = None
+    #: Refuse to start when ``data_dir`` (or the usage ledger's folder) may be read by other
+    #: users; else a warning (entrypoints/serve.py).
+    strict_data_dir: bool = False
     #: The documents database (None: $KVGATE_DOCS_URL, else SQLite in ``data_dir``): a
     #: ``postgresql://`` URL shares files and vector stores between replicas.
     docs_url: str | None = None

@@ -102,9 +102,8 @@ def install_file_routes(app: FastAPI) -> None:
         name = Path(file.filename or "").name
         if not name:
             raise InvalidRequest("the upload needs a file name", param="file")
-        incoming = docs.store.directory / "incoming"
-        incoming.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=incoming, delete=False) as out:
+        # The store's spool (0700); NamedTemporaryFile makes each upload 0600.
+        with tempfile.NamedTemporaryFile(dir=docs.store.spool, delete=False) as out:
             await run_in_threadpool(shutil.copyfileobj, file.file, out)
             path = Path(out.name)
         if path.stat().st_size == 0:

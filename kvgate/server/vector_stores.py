@@ -189,8 +189,9 @@ def install_vector_store_routes(app: FastAPI) -> None:
     @app.post("/v1/vector_stores/{store_id}/file_batches")
     def add_batch(store_id: str, body: AddFileBatch, docs: Docs, who: Who) -> dict[str, Any]:
         store = docs.vector_store(who.scope, store_id)
-        for file_id in body.file_ids:  # all of them exist for the caller, or none is added
-            docs.file(store.tenant, file_id)
+        for file_id in body.file_ids:  # all of them exist for the caller and fit, or none
+            docs.file(store.tenant, file_id)  # is added
+            docs.check_room(store, file_id)
         chunking = chunking_of(body.chunking_strategy) if body.chunking_strategy else None
         batch_id = new_id("vsfb_")
         for file_id in body.file_ids:

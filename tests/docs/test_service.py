@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvgate.docs.ingest import chunks_of
 from kvgate.docs.service import DocsService, NotFound, StorageLimits, StorageQuotaExceeded
 from kvgate.docs.store import DocStore
 
@@ -119,6 +120,91 @@ def test_quotas_count_a_tenants_files_only(tmp_path: Path, docs_url: str | None)
     with pytest.raises(StorageQuotaExceeded, match="max_files"):
         _upload(docs, tmp_path, "t", "c.md", b"c")
     assert not (tmp_path / "upload-c.md").exists()  # the refused upload is not kept
+    docs.close()
+
+
+def _failed(docs: DocsService, store_id: str, file_id: str) -> dict[str, str]:
+    record = docs.store.store_file(store_id, file_id)
+    assert record is not None and record.status == "failed" and record.last_error, record
+    return record.last_error
+
+
+def test_one_file_in_many_stores_counts_each_stores_chunks(
+    tmp_path: Path, docs_url: str | None
+) -> None:
+    """The audit's probe in small: one file put in store after store was indexed again each
+    time while the quota still said "1 file". Each store's chunks count, and the number of
+    stores is limited; a refusal leaves nothing behind."""
+    k = len(chunks_of(LAW, {"type": "auto"}, len))
+    docs = _service(tmp_path / "data", docs_url, max_chunks=k, max_stores=3)
+    file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
+    first = docs.create_store("t", "one", [file_id], {"type": "auto"}, {})
+    assert docs.wait_idle()
+    used = docs.store.usage("t")
+    # Each chunk's vector is stored with it: 64 float32s of CharEmbedder's.
+    assert used.chunks == k and used.index_bytes == docs.store.usage_bytes(first.id) > k * 64 * 4
+    with pytest.raises(StorageQuotaExceeded, match="max_chunks") as refused:
+        docs.create_store("t", "two", [file_id], {"type": "auto"}, {})
+    assert refused.value.code == "storage_quota_exceeded"
+    assert [s.id for s in docs.store.stores("t")] == [first.id]  # no empty store left
+    second = docs.create_store("t", "two", [], {"type": "auto"}, {})
+    with pytest.raises(StorageQuotaExceeded, match="max_chunks"):
+        docs.add_store_file("t", second.id, file_id, None, {})
+    docs.create_store("t", "three", [], {"type": "auto"}, {})
+    with pytest.raises(StorageQuotaExceeded, match="max_vector_stores"):
+        docs.create_store("t", "four", [], {"type": "auto"}, {})
+    docs.create_store("u", "theirs", [], {"type": "auto"}, {})  # another tenant's count
+    docs.delete_store("t", first.id)  # frees its chunks
+    assert docs.store.usage("t").chunks == 0
+    docs.add_store_file("t", second.id, file_id, None, {})
+    assert docs.wait_idle()
+    assert docs.store.counts(second.id)["completed"] == 1
+    docs.close()
+
+
+def test_a_job_whose_text_or_chunks_would_pass_the_quota_fails_with_its_error(
+    tmp_path: Path, docs_url: str | None
+) -> None:
+    """Extracted text, chunks and their vectors count where they are written, in the
+    ingestion process: a job over a limit fails with ``storage_quota_exceeded`` in its
+    ``last_error`` and writes nothing."""
+    data = LAW.encode()
+    limits: dict[str, StorageLimits] = {}
+    docs = DocsService(
+        DocStore(tmp_path / "data", docs_url),
+        CharEmbedder,
+        lambda t: limits.get(t, StorageLimits()),
+    )
+    probe = docs.create_store("probe", None, [_upload(docs, tmp_path, "probe", "l.md", data)],
+                              {"type": "auto"}, {})  # fmt: skip
+    assert docs.wait_idle()
+    index = docs.store.usage_bytes(probe.id)  # one store's chunks of LAW, vectors included
+    text = len(data)  # a .md's text is its bytes
+    limits["text"] = StorageLimits(max_bytes=len(data) + text - 1)
+    limits["store"] = StorageLimits(max_store_bytes=index - 1)
+    limits["total"] = StorageLimits(max_bytes=len(data) + text + index - 1)
+    jobs = {}
+    for tenant in limits:
+        file_id = _upload(docs, tmp_path, tenant, f"{tenant}.md", data)
+        jobs[tenant] = (
+            docs.create_store(tenant, None, [file_id], {"type": "auto"}, {}).id,
+            file_id,
+        )
+    assert docs.wait_idle()
+    for tenant, limit in (("text", "max_storage_bytes"), ("store", "max_store_bytes"),
+                          ("total", "max_storage_bytes")):  # fmt: skip
+        error = _failed(docs, *jobs[tenant])
+        assert error["code"] == "storage_quota_exceeded" and limit in error["message"], error
+        used = docs.store.usage(tenant)
+        assert used.chunks == 0 and used.index_bytes == 0
+    text_file = docs.store.file(jobs["text"][1], None)
+    assert text_file is not None and text_file.text is None  # the text was not kept
+    assert docs.store.usage("text").text_bytes == 0
+    assert docs.store.usage("total").text_bytes == text  # kept: within the limit
+    # An upload counts against what is stored in all, the text included: bytes enough for
+    # one more upload of LAW's size by the files alone are refused.
+    with pytest.raises(StorageQuotaExceeded, match="max_storage_bytes"):
+        _upload(docs, tmp_path, "total", "more.md", b"x" * (index + text // 2))
     docs.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -9,7 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvgate.entrypoints.serve import check_data_dirs
+from kvgate.errors import InvalidConfig
+from kvgate.server.config import ServerConfig
 from tests.server.conftest import _free_port
 
 
@@ -170,3 +175,40 @@ def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) > 100  # the stream was not cut
     assert proc.returncode == 0
     assert "draining" in out and "drained" in out and "Traceback" not in out
+
+
+def test_a_data_dir_others_may_read_is_refused_with_strict_data_dir(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Refused before the model loads and before anything is written there."""
+    data = tmp_path / "shared-data"
+    data.mkdir()
+    data.chmod(0o755)
+    ledger = tmp_path / "ledger"  # pytest's tmp_path is 0700: only the data dir is exposed
+    usage = str(ledger / "usage.sqlite3")
+    proc = _serve("--model", str(tiny_llama_dir), "--data-dir", str(data), "--strict-data-dir",
+                  "--usage-db", usage, "--port", str(_free_port()))  # fmt: skip
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert f"{data} has mode 0755 (others may read it)" in out and "--strict-data-dir" in out
+    assert not any(data.iterdir()) and not ledger.exists()
+
+
+def test_a_data_dir_others_may_read_is_a_warning_without_strict_data_dir(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data, ledger = tmp_path / "data", tmp_path / "state" / "usage.sqlite3"
+    config = ServerConfig(data_dir=str(data), usage_db=str(ledger))
+    assert check_data_dirs(config) == []  # not there yet: kvgate will make them 0700
+    data.mkdir(mode=0o750)
+    data.chmod(0o750)
+    with caplog.at_level(logging.WARNING, "kvgate.server"):
+        assert check_data_dirs(config) == [f"{data} has mode 0750 (others may read it)"]
+    assert "other local users may read" in caplog.text
+    data.chmod(0o700)
+    assert check_data_dirs(config) == []
+    with pytest.raises(InvalidConfig, match="mode 0711"):
+        data.chmod(0o711)  # others may enter it and open what they can name
+        check_data_dirs(
+            ServerConfig(data_dir=str(data), usage_db=str(ledger), strict_data_dir=True)
+        )

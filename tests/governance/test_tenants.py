@@ -24,6 +24,10 @@ max_context = 2048
 max_queue_time = 5
 default_deadline = 30
 max_deadline = 60
+max_storage_bytes = 1000000
+max_vector_stores = 3
+max_chunks = 500
+max_store_bytes = 20000
 
 [tenants.batch]
 keys = ["sk-batch"]
@@ -55,6 +59,9 @@ def test_a_valid_file(tmp_path: Path) -> None:
     assert search.deadline_seconds(None) == 30 and search.deadline_seconds(500) == 60
     assert search.cache_salt is not None and config.spec("batch").cache_salt is None
     assert b"sk-search" not in repr(config.keys).encode()
+    quotas = (search.max_storage_bytes, search.max_vector_stores, search.max_chunks,
+              search.max_store_bytes)  # fmt: skip
+    assert quotas == (1000000, 3, 500, 20000) and config.spec("batch").max_chunks is None
 
 
 def test_models_a_tenant_may_use(tmp_path: Path) -> None:
@@ -77,6 +84,8 @@ def test_yaml_works_too(tmp_path: Path) -> None:
         ("[tenants.a]\nkeys = ['k']\nwieght = 2\n", "tenants.a: unknown setting 'wieght'"),
         ("[tenants.a]\nkeys = ['k']\npriority = 'urgent'\n", "priority must be one of"),
         ("[tenants.a]\nkeys = ['k']\nrequests_per_minute = 0\n", "must be a positive integer"),
+        ("[tenants.a]\nkeys = ['k']\nmax_vector_stores = 0\n", "must be a positive integer"),
+        ("[tenants.a]\nkeys = ['k']\nmax_chunks = 1.5\n", "must be a positive integer"),
         ("[tenants.a]\nkeys = ['k']\nkv_guaranteed = 0.6\nkv_ceiling = 0.5\n", "kv_guaranteed"),
         (
             "[tenants.a]\nkeys = ['k']\nkv_guaranteed = 0.6\n"
