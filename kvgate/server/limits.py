@@ -32,9 +32,9 @@ class RequestLimits:
     max_body_bytes: int = 4 * 2**20
     #: Largest file upload (``POST /v1/files``), in bytes (413 above it).
     max_upload_bytes: int = 64 * 2**20
-    #: Longest prompt in characters, over all messages (400 above it, before tokenizing).
-    #: None: the model's context times its longest token in characters, the most characters
-    #: a prompt that fits the context can have.
+    #: Longest prompt in characters, over all messages and prompts (400 above it, before
+    #: tokenizing). None: no cap but the context's own, at the fewest tokens the text can be
+    #: (``token_floor.py``), which every prompt meets.
     max_prompt_chars: int | None = None
     #: Most messages in one chat request.
     max_messages: int = 1024
