@@ -91,7 +91,9 @@ class GuardedH11Protocol(H11Protocol):
         self._host = host if host is not None and self.clients.take(host) else None
         if host is not None and self._host is None:
             # Written before the request is read: the client's request, whenever it comes,
-            # costs nothing more than this one write.
+            # costs nothing more than this one write; and not counted against
+            # ``max_connections`` meanwhile, so a flood of refused ones takes no one's slot.
+            self.connections.discard(self)
             self.transport.write(_busy_response(self.clients.cap))
             self.transport.close()
             return

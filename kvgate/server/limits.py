@@ -139,7 +139,7 @@ class _Refused(Exception):
         self.body = body
 
 
-class _BodyClock:
+class BodyClock:
     """The time one request's body has left under the three body limits: its stall timeout
     (from the last bytes), its whole-body deadline and its minimum average rate (both from
     the end of the headers), in seconds of the event loop's clock."""
@@ -211,7 +211,7 @@ class GuardMiddleware:
         body_done = False  # after the body, receive() only waits for a disconnect: no timeout
         refusal: _Refused | None = None  # set once the body broke a limit
         sent = False  # whether a response has started
-        clock = _BodyClock(self.limits, asyncio.get_running_loop().time())
+        clock = BodyClock(self.limits, asyncio.get_running_loop().time())
 
         async def guarded_receive() -> Message:
             nonlocal received, refusal, body_done
