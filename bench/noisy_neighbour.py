@@ -311,7 +311,9 @@ def run_session(
         f"kvgate-{scheduling}", 8411, a.threads, a.max_num_seqs,
         "--tenants", str(tenants), "--scheduling", scheduling, "--max-queue-len", "100000",
         "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--access-log", str(log),
-        "--engine-process", engine_process, *a.server_args.split(),
+        "--engine-process", engine_process,
+        # Both tenants' clients come from 127.0.0.1: room for the flood and the quiet one.
+        "--max-connections-per-client", str(a.flood_concurrency + 128), *a.server_args.split(),
     )  # fmt: skip
     try:
         wait_healthy(server)

@@ -204,10 +204,35 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="seconds without body bytes before the request gets 408",
     )
     lim.add_argument(
+        "--body-deadline",
+        type=float,
+        default=d.body_deadline,
+        help="seconds a whole request body may take before the request gets 408",
+    )
+    lim.add_argument(
+        "--min-body-rate",
+        type=int,
+        default=d.min_body_rate,
+        help="slowest average body rate in bytes/s, after --body-rate-grace (408 below; 0: off)",
+    )
+    lim.add_argument(
+        "--body-rate-grace",
+        type=float,
+        default=d.body_rate_grace,
+        help="seconds of a body before --min-body-rate applies",
+    )
+    lim.add_argument(
         "--max-connections",
         type=int,
         default=d.max_connections,
         help="open connections past which requests get 503",
+    )
+    lim.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        help="open connections from one address past which one is refused with 503 "
+        "(default: a quarter of --max-connections)",
     )
     lim.add_argument(
         "--stalled-client-timeout",
@@ -355,7 +380,11 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
             max_stop_token_ids=a.max_stop_token_ids,
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
+            body_deadline=a.body_deadline,
+            min_body_rate=a.min_body_rate,
+            body_rate_grace=a.body_rate_grace,
             max_connections=a.max_connections,
+            max_connections_per_client=a.max_connections_per_client,
             stalled_client_timeout=a.stalled_client_timeout,
         ),
     )

@@ -6,11 +6,16 @@ so it runs before FastAPI reads or parses a byte of the body:
 
 1. a body over ``max_body_bytes`` is refused with 413, on its ``Content-Length`` before
    reading, or as soon as the bytes received pass the limit (chunked bodies);
-2. a body that stalls (no bytes for ``body_timeout`` seconds) is refused with 408;
+2. a body that stalls (no bytes for ``body_timeout`` seconds), takes longer than
+   ``body_deadline`` seconds in all, or arrives slower than ``min_body_rate`` bytes/s on
+   average once ``body_rate_grace`` seconds have passed is refused with 408 (a per-read
+   timeout alone let a byte every few seconds hold a connection for ever);
 3. API routes need a valid key before their body is read (401 otherwise): the body of an
    unauthenticated request is never parsed, so it costs its sender, not the server.
 
-Header timeouts and the connection limit live in the HTTP server (``server/http.py``).
+Header timeouts, closing a connection whose body is still arriving after an early response,
+and the connection limits (all, and per client address) live in the HTTP server
+(``server/http.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,20 @@ class RequestLimits:
     #: its body, before the connection is closed (header) or refused with 408 (body).
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    #: Seconds a whole request body may take from the end of its headers (408 past it): the
+    #: most a body, however it trickles, holds a connection. 300 s lets a full upload
+    #: (``max_upload_bytes``) arrive at 224 KB/s.
+    body_deadline: float = 300.0
+    #: Slowest average rate a body may arrive at, bytes/s from the end of its headers, checked
+    #: once ``body_rate_grace`` seconds have passed (408 below it); 0: no rate check.
+    min_body_rate: int = 4096
+    body_rate_grace: float = 10.0
     #: Most open connections; requests on connections past it get 503.
     max_connections: int = 1024
+    #: Most open connections from one client address: one past it gets 503 and is closed at
+    #: once, so one address cannot take every slot. None: a quarter of ``max_connections``.
+    #: Behind a proxy every client has the proxy's address: raise it to ``max_connections``.
+    max_connections_per_client: int | None = None
     #: Seconds a stream may wait for its client to read before it is aborted (its slot and
     #: KV blocks freed); the output waiting meanwhile is bounded by this time.
     stalled_client_timeout: float = 30.0
@@ -62,9 +79,25 @@ class RequestLimits:
                 raise InvalidConfig(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise InvalidConfig("max_prompt_chars must be >= 1", param="max_prompt_chars")
-        for name in ("header_timeout", "body_timeout", "stalled_client_timeout"):
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise InvalidConfig(
+                "max_connections_per_client must be >= 1", param="max_connections_per_client"
+            )
+        if self.min_body_rate < 0:
+            raise InvalidConfig("min_body_rate must be >= 0", param="min_body_rate")
+        for name in (
+            "header_timeout", "body_timeout", "body_deadline", "body_rate_grace",
+            "stalled_client_timeout",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise InvalidConfig(f"{name} must be > 0, got {getattr(self, name)}", param=name)
+
+    @property
+    def per_client_connections(self) -> int:
+        """``max_connections_per_client``, or its default."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return max(1, self.max_connections // 4)
 
 
 #: Paths whose callers must hold a tenant key (when keys exist) before the body is read.
@@ -106,6 +139,40 @@ class _Refused(Exception):
         self.body = body
 
 
+class BodyClock:
+    """The time one request's body has left under the three body limits: its stall timeout
+    (from the last bytes), its whole-body deadline and its minimum average rate (both from
+    the end of the headers), in seconds of the event loop's clock."""
+
+    def __init__(self, limits: RequestLimits, start: float) -> None:
+        self.limits = limits
+        self.start = start
+        self.last = start  # when the previous body bytes arrived
+
+    def left(self, received: int, now: float) -> tuple[float, str]:
+        """(seconds until the first limit breaks, what that limit says when it does)."""
+        lim = self.limits
+        budgets = [
+            (self.last + lim.body_timeout - now, f"no bytes for {lim.body_timeout:g} s"),
+            (self.start + lim.body_deadline - now, f"longer than {lim.body_deadline:g} s in all"),
+        ]
+        if lim.min_body_rate:
+            # Behind by the time the bytes received would have taken at the minimum rate.
+            due = self.start + lim.body_rate_grace + received / lim.min_body_rate
+            budgets.append((due - now, f"slower than {lim.min_body_rate} bytes/s"))
+        return min(budgets)
+
+
+def _timed_out(why: str) -> bytes:
+    return _error(
+        408,
+        f"the request body was too slow: {why}",
+        "invalid_request_error",
+        "request_timeout",
+        None,
+    )
+
+
 class GuardMiddleware:
     """See the module docstring. ``key_ok(authorization header or None)``: whether the caller
     may use the API (always true on an open server)."""
@@ -144,16 +211,22 @@ class GuardMiddleware:
         body_done = False  # after the body, receive() only waits for a disconnect: no timeout
         refusal: _Refused | None = None  # set once the body broke a limit
         sent = False  # whether a response has started
+        clock = BodyClock(self.limits, asyncio.get_running_loop().time())
 
         async def guarded_receive() -> Message:
             nonlocal received, refusal, body_done
             if body_done:
                 return await receive()
+            loop = asyncio.get_running_loop()
+            left, why = clock.left(received, loop.time())
             try:
-                message = await asyncio.wait_for(receive(), self.limits.body_timeout)
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), left)
             except TimeoutError:
-                refusal = _Refused(408, self._stalled())
+                refusal = _Refused(408, _timed_out(why))
                 raise refusal from None
+            clock.last = loop.time()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
@@ -183,15 +256,6 @@ class GuardMiddleware:
                 raise
         if refusal is not None and not sent:
             await _send_error(send, refusal.status, refusal.body)
-
-    def _stalled(self) -> bytes:
-        return _error(
-            408,
-            f"the request body stalled: no bytes for {self.limits.body_timeout:g} s",
-            "invalid_request_error",
-            "request_timeout",
-            None,
-        )
 
     def _too_large(self, size: str, limit: int) -> bytes:
         return _error(

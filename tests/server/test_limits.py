@@ -19,7 +19,11 @@ from tests.conftest import tiny_engine_config
 from tests.server.conftest import API_KEY, METRICS_KEY, MODEL, LiveServer, start_server
 
 LIMITS = RequestLimits(
-    max_body_bytes=64 * 1024, header_timeout=1.0, body_timeout=1.0, max_connections=16
+    max_body_bytes=64 * 1024,
+    header_timeout=1.0,
+    body_timeout=1.0,
+    max_connections=16,
+    max_connections_per_client=32,  # over the limit: its test holds every slot from here
 )
 
 
