@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvgate.server.limits import RequestLimits
-from tests.server.conftest import MODEL, LiveServer, start_tenants_server
+from tests.server.conftest import MODEL, LiveServer, aborted_requests, start_tenants_server
 
 TENANTS = """
 [tenants.victim]
@@ -47,13 +47,16 @@ def _address(live: LiveServer) -> tuple[str, int]:
     return host, int(port)
 
 
-def _stalled_reader(live: LiveServer) -> socket.socket:
-    """A long stream asked for and never read (~200 KB of events: more than the sockets'
-    buffers hold)."""
+def _stalled_reader(live: LiveServer, fat: bool = False) -> socket.socket:
+    """A long stream asked for and never read (~200 KB of events). ``fat``: 4 choices of
+    2000 tokens, each with 20 top logprobs (~8 MB of events), more than the sockets' buffers
+    can hold: on loopback Linux grows the server's send buffer up to tcp_wmem's 4 MiB, which
+    the plain stream did not fill on a slow machine."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(_address(live))
-    body = b'{"prompt": "never read", "max_tokens": 2000, "stream": true, "ignore_eos": true}'
+    body = b'{"prompt": "never read", "max_tokens": 2000, "stream": true, "ignore_eos": true'
+    body += b', "n": 4, "logprobs": 20}' if fat else b"}"
 
     head = (
         "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -69,17 +72,21 @@ def _engine_requests(live: LiveServer) -> int:
 
 
 def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(server: LiveServer) -> None:
-    sock = _stalled_reader(server)
+    aborted = aborted_requests(server)
+    sock = _stalled_reader(server, fat=True)
     try:
-        deadline = time.monotonic() + 1
-        while _engine_requests(server) == 0 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while _engine_requests(server) == 0:
+            assert time.monotonic() < deadline, "the stream never started"
             time.sleep(0.01)
         # The stall timeout (1 s) ends it once the buffers are full, long before its 2000
-        # tokens.
-        deadline = time.monotonic() + 20
+        # tokens a choice: all four choices aborted, not finished. The bound is only there
+        # so a broken abort fails rather than hangs (the choices would end by length first).
+        deadline = time.monotonic() + 300
         while _engine_requests(server):
-            assert time.monotonic() < deadline, "the stalled stream was never aborted"
+            assert time.monotonic() < deadline, "the stalled stream never ended"
             time.sleep(0.05)
+        assert aborted_requests(server) == aborted + 4, "the stalled stream was not aborted"
         assert server.state.snapshots()[MODEL].kv_used == 0
     finally:
         sock.close()
