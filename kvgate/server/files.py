@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import unicodedata
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,10 @@ def page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str
     }
 
 
+#: Longest file name accepted (characters), as most file systems allow.
+MAX_NAME_CHARS = 255
+
+
 def install_file_routes(app: FastAPI) -> None:
     @app.post("/v1/files")
     async def upload(
@@ -102,6 +107,13 @@ def install_file_routes(app: FastAPI) -> None:
         name = Path(file.filename or "").name
         if not name:
             raise InvalidRequest("the upload needs a file name", param="file")
+        if len(name) > MAX_NAME_CHARS or any(unicodedata.category(c) == "Cc" for c in name):
+            # Names reach logs, listings and citations: NUL, ESC or BEL there is an attack.
+            raise InvalidRequest(
+                f"the file name must be at most {MAX_NAME_CHARS} characters, with no control "
+                "characters",
+                param="file",
+            )
         # The store's spool (0700); NamedTemporaryFile makes each upload 0600.
         with tempfile.NamedTemporaryFile(dir=docs.store.spool, delete=False) as out:
             await run_in_threadpool(shutil.copyfileobj, file.file, out)
