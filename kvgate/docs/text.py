@@ -60,7 +60,8 @@ def extract_text(filename: str, data: bytes, limits: IngestLimits | None = None)
                 text = _html(text)
     except MemoryError:
         raise FileTooComplex(
-            f"{filename!r} needs more memory to read than ingestion may use"
+            f"{filename!r} needs more than the {limits.memory_bytes // 2**20} MiB of memory "
+            "ingestion may use"
         ) from None
     check_chars(filename, len(text), limits)
     if "\x00" in text:
