@@ -6,7 +6,8 @@ The documents service alone (kvgate/docs, the e5 embedder, a SQLite store in a t
 folder): beta queues its files, then alpha queues one 38-byte file into a store of its
 own; printed is alpha's wait, from its queueing to its ``completed``, and how each of
 beta's files ended. Scenarios: ``docx`` (a 10-million-character .docx), ``pdf`` (99,000
-pages, one shared page), ``many`` (four .md files of 60,000 characters each). Runs against
+pages, one shared page), ``many`` (four .md files of 15,000 characters each), ``alone``
+(no file of beta's: the ingestion process's start and the small file's own time). Runs against
 any tree's kvgate (``PYTHONPATH``): main's, to compare. A wait past ``--give-up`` seconds is
 printed as "> N s".
 """
@@ -53,7 +54,8 @@ def scenarios() -> dict[str, Callable[[], list[tuple[str, bytes]]]]:
     return {
         "docx": lambda: [("long.docx", heavy.long_docx(10_000_000))],  # type: ignore[attr-defined]
         "pdf": lambda: [("big.pdf", heavy.pdf_of_pages(99_000))],  # type: ignore[attr-defined]
-        "many": lambda: [(f"law{i}.md", _law(60_000, i)) for i in range(4)],
+        "many": lambda: [(f"law{i}.md", _law(15_000, i)) for i in range(4)],
+        "alone": lambda: [],
     }
 
 
@@ -92,7 +94,7 @@ def run(name: str, files: list[tuple[str, bytes]], give_up: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", default="docx,pdf,many")
+    p.add_argument("--scenario", default="alone,docx,pdf,many")
     p.add_argument("--give-up", type=float, default=180.0)
     a = p.parse_args()
     import kvgate
