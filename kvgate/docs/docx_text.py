@@ -26,7 +26,7 @@ heading and article), headers, footers, footnotes.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -418,9 +418,12 @@ class _Reader:
         return [x for x in out if x]
 
 
-def docx_text(document: Any) -> str:
-    """The text of a python-docx ``Document``: blocks separated by blank lines."""
+def docx_text(document: Any, check: Callable[[int], None] | None = None) -> str:
+    """The text of a python-docx ``Document``: blocks separated by blank lines. ``check``:
+    called with the characters so far after each block (it raises to stop a document too
+    long to take: ``bounds.check_chars``)."""
     reader = _Reader(document)
+    chars = 0
     body = list(_blocks(document.element.body, (qn("w:p"), qn("w:tbl"))))
     # A Title paragraph heads the document: the headings go one level below it.
     below = int(any(_is_title(reader.styles.of(b)) for b in body if b.tag == qn("w:p")))
@@ -430,6 +433,9 @@ def docx_text(document: Any) -> str:
             lines = reader.table(block)
             if lines:
                 out.append("\n".join(lines))
+                chars += len(out[-1]) + 2
+                if check is not None:
+                    check(chars)
             continue
         style, label, text = reader.paragraph(block)
         if not text:
@@ -440,4 +446,7 @@ def docx_text(document: Any) -> str:
             level = _heading_level(block, style)
             level = min(level + below, 6) if level else 0
         out.append(("#" * level + " " if level else "") + label + text)
+        chars += len(out[-1]) + 2
+        if check is not None:
+            check(chars)
     return "\n\n".join(out) + "\n"

@@ -1,8 +1,9 @@
-"""Ingesting files into vector stores, in a process of its own.
+"""Ingesting one file into one vector store: the job the ingestion process runs.
 
 One file into one store: its text (extracted once, kept), its chunks, their vectors and BM25
 terms, written to the store's database, then its status. The work runs in a child process
-at the OS priority of ingestion's class (``batch``: Linux's ``SCHED_IDLE`` policy at nice 19,
+(``ingest_process.py``: one job at a time, under a time and a memory limit) at the OS
+priority of ingestion's class (``batch``: Linux's ``SCHED_IDLE`` policy at nice 19,
 ``standard``: nice 10, ``critical``: nice 0): parsing, jieba and the embedder never hold the
 server's GIL, and the engine's threads win the cores whenever they want them. The child
 reads and writes the same database (SQLite in WAL mode, or PostgreSQL) and tells the server
@@ -13,14 +14,12 @@ bench/longdoc_serving.py: see the README.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvgate.docs.bounds import FileTooComplex, IngestLimits, MiB
 from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
 from kvgate.docs.quota import StorageQuotaExceeded
 from kvgate.docs.retrieval import Embedder, index_text, words
@@ -65,25 +64,47 @@ def title_of(text: str, filename: str) -> str:
     return filename
 
 
-def ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str) -> None:
-    """One job, start to end; a failure is the file's (its ``last_error``). A job whose file
-    was removed, or added again (a newer job), stops at its next check and writes nothing."""
+def ingest(
+    store: DocStore,
+    embedder: Embedder,
+    store_id: str,
+    file_id: str,
+    job: str,
+    limits: IngestLimits | None = None,
+) -> None:
+    """One job, start to end; a failure is the file's (its ``last_error``: a code and a
+    message, never a library's exception). A job whose file was removed, or added again (a
+    newer job), stops at its next check and writes nothing."""
+    limits = limits or IngestLimits()
     try:
-        _ingest(store, embedder, store_id, file_id, job)
+        _ingest(store, embedder, store_id, file_id, job, limits)
     except StorageQuotaExceeded as exc:  # its text or chunks would pass the tenant's quota
         log.info("ingest %s %s: refused: %s", store_id, file_id, exc.message)
         store.finish_store_file(
             store_id, file_id, job, "failed", {"code": exc.code, "message": exc.message}
         )
-    except Exception as exc:
+    except MemoryError:
+        log.warning("ingestion of %s into %s ran out of memory", file_id, store_id)
+        store.finish_store_file(store_id, file_id, job, "failed", too_much_memory(limits))
+    except Exception:
         log.exception("ingestion of %s into %s failed", file_id, store_id)
         store.finish_store_file(
             store_id, file_id, job, "failed",
-            {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"},
+            {"code": "server_error", "message": "ingesting this file failed (see the server log)"},
         )  # fmt: skip
 
 
-def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str) -> None:
+def too_much_memory(limits: IngestLimits) -> dict[str, str]:
+    return {
+        "code": FileTooComplex.code,
+        "message": f"this file needs more than the {limits.memory_bytes // MiB} MiB of memory "
+        "ingestion may use",
+    }
+
+
+def _ingest(
+    store: DocStore, embedder: Embedder, store_id: str, file_id: str, job: str, limits: IngestLimits
+) -> None:
     record = store.store_file(store_id, file_id)
     file = store.file(file_id, None)
     if record is None or file is None or record.job != job:
@@ -92,10 +113,12 @@ def _ingest(store: DocStore, embedder: Embedder, store_id: str, file_id: str, jo
     text = file.text
     if text is None:
         try:
-            text = extract_text(file.filename, store.file_bytes(file_id))
+            text = extract_text(file.filename, store.file_bytes(file_id), limits)
         except UnreadableFile as exc:
             store.set_text(file_id, None, exc.message)
             code = "unsupported_file" if "unsupported" in exc.message else "invalid_file"
+            if isinstance(exc, FileTooComplex):
+                code = exc.code
             store.finish_store_file(
                 store_id, file_id, job, "failed", {"code": code, "message": exc.message}
             )
@@ -151,118 +174,7 @@ def lower_priority(priority: str, pid: int = 0) -> str:
     return ", ".join(got) or "unchanged"
 
 
-def _child(
-    where: tuple[str, str | None],
-    embedder: Callable[[], Embedder],
-    priority: str,
-    jobs: multiprocessing.Queue[Job | None],
-    done: multiprocessing.Queue[Job],
-) -> None:
-    """The ingestion process: jobs in, their ends out, until a None."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    got = lower_priority(priority)  # (again) before torch starts its threads: they inherit it
-    import torch
-
-    torch.set_num_threads(THREADS)
-    store = DocStore(*where)
-    model = embedder()
-    log.info("ingestion: embedder %s, %d threads, %s", described(model), THREADS, got)
-    while (job := jobs.get()) is not None:
-        ingest(store, model, *job)
-        done.put(job)
-    store.close()
-
-
 def described(embedder: Embedder) -> str:
     precision = getattr(embedder, "precision", type(embedder).__name__)
     why = getattr(embedder, "why", "")
     return f"{precision} ({why})" if why else str(precision)
-
-
-class IngestProcess:
-    """The child process and the thread that hears of its jobs' ends (``on_done``). A child
-    that dies is started again for the next job; the jobs it held are failed."""
-
-    def __init__(
-        self,
-        where: tuple[str, str | None],
-        embedder: Callable[[], Embedder],
-        priority: str,
-        on_done: Callable[[Job], None],
-        on_lost: Callable[[Job], None],
-    ) -> None:
-        """``where``: the store's directory and URL (``DocStore``'s arguments); ``embedder``
-        must pickle (a class, or a ``functools.partial`` of one)."""
-        self._where = where
-        self._embedder = embedder
-        self._priority = priority
-        self._on_done = on_done
-        self._on_lost = on_lost
-        self._context = multiprocessing.get_context("spawn")
-        self._lock = threading.Lock()
-        self._proc: Any = None
-        self._jobs: multiprocessing.Queue[Job | None] | None = None
-        self._done: multiprocessing.Queue[Job] | None = None
-        self._held: set[Job] = set()
-        self._listener: threading.Thread | None = None
-        self._closing = False
-
-    def submit(self, job: Job) -> None:
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            assert self._jobs is not None
-            self._held.add(job)
-            self._jobs.put(job)
-
-    def _start(self) -> None:
-        self._jobs = self._context.Queue()
-        self._done = self._context.Queue()
-        self._proc = self._context.Process(
-            target=_child,
-            args=(self._where, self._embedder, self._priority, self._jobs, self._done),
-            name="kvgate-ingest", daemon=True,
-        )  # fmt: skip
-        self._proc.start()
-        # At once, from here: the child's start (a new interpreter importing kvgate, then the
-        # embedder's weights) is seconds of CPU that would otherwise run at the server's
-        # priority, beside the chats, before the child's own call below.
-        lower_priority(self._priority, self._proc.pid)
-        self._listener = threading.Thread(
-            target=self._listen, args=(self._proc, self._done), name="kvgate-ingest-ends",
-            daemon=True,
-        )  # fmt: skip
-        self._listener.start()
-
-    def _listen(self, proc: Any, done: multiprocessing.Queue[Job]) -> None:
-        while True:
-            try:
-                job = done.get(timeout=0.5)
-            except queue.Empty:
-                if proc.is_alive():
-                    continue
-                with self._lock:  # the child is gone: what it held will not end
-                    lost, self._held = set(self._held), set()
-                if not self._closing:
-                    for job in lost:
-                        self._on_lost(job)
-                return
-            with self._lock:
-                self._held.discard(job)
-            self._on_done(job)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            proc, jobs = self._proc, self._jobs
-        if proc is None or jobs is None:
-            return
-        jobs.put(None)
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-        if self._listener is not None:
-            self._listener.join(5)

@@ -2,8 +2,11 @@
 
 Ingestion (text → chunks → embeddings → index) runs in a process of its own beside
 serving, as a tenant of its own with a priority class (``batch`` by default), at that
-class's OS priority (``docs/ingest.py``). Progress is logged per file and shown in each
-store's ``file_counts`` and each file's ``status`` / ``last_error``.
+class's OS priority (``docs/ingest.py``), one job at a time under per-file limits
+(``docs/bounds.py``, ``docs/ingest_process.py``); the jobs wait in a queue that serves the
+tenants' classes in priority order and the tenants of a class in turn
+(``docs/fair_queue.py``). Progress is logged per file and shown in each store's
+``file_counts`` and each file's ``status`` / ``last_error``.
 
 Every call takes the caller's tenant (None: an admin): another tenant's files and stores are
 absent (404), and searches only ever read the caller's own stores.
@@ -28,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from kvgate.docs.bounds import IngestLimits
 from kvgate.docs.filters import matches
-from kvgate.docs.ingest import IngestProcess, described
+from kvgate.docs.ingest import described
+from kvgate.docs.ingest_process import Error, IngestProcess
 from kvgate.docs.quota import StorageLimits, StorageQuotaExceeded
 from kvgate.docs.retrieval import Embedder, HybridIndex, words
 from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
@@ -133,10 +138,13 @@ class DocsService:
         embedder: Callable[[], Embedder],
         limits: Callable[[str], StorageLimits] = lambda _: StorageLimits(),
         priority: str = "batch",
+        ingest_limits: IngestLimits | None = None,
+        tenant_class: Callable[[str], str] = lambda _: "standard",
     ) -> None:
         """``embedder``: makes an embedder (here for queries, on first use; in the ingestion
         process for passages), so it must pickle; ``limits``: a tenant's storage limits,
-        read at each upload (a reload may change them)."""
+        read at each upload (a reload may change them); ``ingest_limits``: what one file's
+        ingestion may take; ``tenant_class``: a tenant's priority class (its jobs' turn)."""
         self.store = store
         self._make_embedder = embedder
         self._embedder: Embedder | None = None
@@ -146,9 +154,11 @@ class DocsService:
         self._indexes: dict[str, _SyncedIndex] = {}
         self._index_lock = threading.Lock()
         self._pending: dict[str, _Job] = {}  # by job id
+        self._tenant_class = tenant_class
         self._worker = IngestProcess(
-            (str(store.directory), store.url), embedder, priority, self._job_done, self._job_lost
-        )
+            (str(store.directory), store.url), embedder, priority, self._job_done, self._job_lost,
+            ingest_limits,
+        )  # fmt: skip
         self._closed = threading.Event()
         # Alone on its database, every job in progress was this server's: all start again.
         # Shared, only those whose lease ran out (their replica is gone).
@@ -247,7 +257,7 @@ class DocsService:
             store_id, file.id, chunking or store.chunking, attributes
         )
         self._sync(store_id)  # its old chunks, if it was there, leave the index now
-        self._enqueue(record)
+        self._enqueue(record, store.tenant)
         return record
 
     def check_room(self, store: StoreRecord, file_id: str) -> StorageLimits:
@@ -434,9 +444,14 @@ class DocsService:
 
     # ------------------------------------------------------------------ ingestion
 
-    def _enqueue(self, record: StoreFileRecord) -> None:
+    def _enqueue(self, record: StoreFileRecord, tenant: str | None = None) -> None:
+        """Queue the record's job in its tenant's turn (``tenant``: the store's, if known)."""
+        if tenant is None:
+            owner = self.store.store(record.store_id, None)
+            tenant = owner.tenant if owner is not None else ""
         self._pending[record.job] = _Job(record.store_id, record.file_id)
-        self._worker.submit((record.store_id, record.file_id, record.job))
+        job = (record.store_id, record.file_id, record.job)
+        self._worker.submit(tenant, self._tenant_class(tenant), job)
 
     def _requeue(self, records: Sequence[StoreFileRecord]) -> None:
         """Jobs that will not end where they were queued (this server restarted, or the
@@ -469,11 +484,9 @@ class DocsService:
         if pending is not None:
             pending.done.set()
 
-    def _job_lost(self, job: tuple[str, str, str]) -> None:
+    def _job_lost(self, job: tuple[str, str, str], error: Error) -> None:
+        """The ingestion process could not end a job (it died, or was stopped at a limit)."""
         store_id, file_id, job_id = job
-        self.store.finish_store_file(
-            store_id, file_id, job_id, "failed",
-            {"code": "server_error", "message": "the ingestion process died"},
-        )  # fmt: skip
-        log.error("ingestion process died while indexing %s into %s", file_id, store_id)
+        self.store.finish_store_file(store_id, file_id, job_id, "failed", error)
+        log.error("ingest %s %s: failed: %s", store_id, file_id, error["message"])
         self._job_done(job)

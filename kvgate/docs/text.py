@@ -6,27 +6,27 @@ so the chunker sees them, ``<pre>`` fenced as code, a table row a line; ``.pdf``
 layer, page by page (pypdf), without its running headers, footers and page numbers;
 ``.docx``: what Word shows, in order (``docx_text.py``: automatic numbering, tables,
 headings as ``#`` lines). What has no text (an empty file, binary bytes under a text name, a
-scanned PDF) is refused with the reason.
+scanned PDF) is refused with the reason; what passes a limit of ``IngestLimits`` (a zip
+inflating too far, too many pages or characters) with ``file_too_complex`` (``bounds.py``).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 from html.parser import HTMLParser
 
+from kvgate.docs.bounds import FileTooComplex, IngestLimits, UnreadableFile, check_chars, check_zip
 from kvgate.docs.chunking import marks_structure
-from kvgate.errors import KVGateError
+
+__all__ = ["SUFFIXES", "FileTooComplex", "UnreadableFile", "extract_text"]
+
+log = logging.getLogger("kvgate.docs")
 
 TEXT_SUFFIXES = (".md", ".markdown", ".txt")
 SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".docx")
-
-
-class UnreadableFile(KVGateError):
-    """A file kvgate cannot take the text of (its ``last_error`` in a vector store)."""
-
-    code = "unreadable_file"
 
 
 def suffix_of(filename: str) -> str:
@@ -41,20 +41,29 @@ def check_suffix(filename: str) -> None:
         )
 
 
-def extract_text(filename: str, data: bytes) -> str:
-    """The file's text (module docstring); raises ``UnreadableFile``."""
+def extract_text(filename: str, data: bytes, limits: IngestLimits | None = None) -> str:
+    """The file's text (module docstring); raises ``UnreadableFile`` (``FileTooComplex``
+    past ``limits``)."""
+    limits = limits or IngestLimits()
     check_suffix(filename)
     if not data:
         raise UnreadableFile(f"{filename!r} is empty")
     suffix = suffix_of(filename)
-    if suffix == ".pdf":
-        text = _pdf(filename, data)
-    elif suffix == ".docx":
-        text = _docx(filename, data)
-    else:
-        text = _decode(filename, data)
-        if suffix in (".html", ".htm"):
-            text = _html(text)
+    try:
+        if suffix == ".pdf":
+            text = _pdf(filename, data, limits)
+        elif suffix == ".docx":
+            text = _docx(filename, data, limits)
+        else:
+            text = _decode(filename, data)
+            if suffix in (".html", ".htm"):
+                text = _html(text)
+    except MemoryError:
+        raise FileTooComplex(
+            f"{filename!r} needs more than the {limits.memory_bytes // 2**20} MiB of memory "
+            "ingestion may use"
+        ) from None
+    check_chars(filename, len(text), limits)
     if "\x00" in text:
         if suffix not in (".pdf", ".docx"):
             raise UnreadableFile(
@@ -178,15 +187,24 @@ def _html(markup: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def _pdf(filename: str, data: bytes) -> str:
+def _pdf(filename: str, data: bytes, limits: IngestLimits) -> str:
     from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
 
     try:
         reader = PdfReader(io.BytesIO(data))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError, OSError) as exc:
-        raise UnreadableFile(f"{filename!r} is not a readable PDF: {exc}") from None
+        _check_pages(filename, reader, limits)
+        pages, chars = [], 0
+        for page in reader.pages:
+            pages.append(page.extract_text() or "")
+            chars += len(pages[-1])
+            check_chars(filename, chars, limits)  # before the next page's work
+    except (UnreadableFile, MemoryError):
+        raise
+    except Exception as exc:  # pypdf raises many kinds on damaged files; the detail is logged
+        log.info("%r: pypdf: %s: %s", filename, type(exc).__name__, exc)
+        raise UnreadableFile(
+            f"{filename!r} is not a readable PDF (damaged, or encrypted?)"
+        ) from None
     if not "".join(pages).strip():
         raise UnreadableFile(
             f"{filename!r} has no text layer (a scanned PDF?); kvgate does not run OCR"
@@ -251,15 +269,35 @@ def _running(found: dict[int, str], pages: int) -> bool:
     return varying <= 1
 
 
-def _docx(filename: str, data: bytes) -> str:
-    import zipfile
+def _check_pages(filename: str, reader: object, limits: IngestLimits) -> None:
+    """Refuse a PDF of more than ``max_pdf_pages`` pages: first by the count its page tree
+    declares (read without walking the tree), then by the pages the tree holds."""
+    from pypdf import PdfReader
 
+    assert isinstance(reader, PdfReader)
+    try:
+        declared = int(reader.trailer["/Root"]["/Pages"]["/Count"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        declared = 0
+    if declared > limits.max_pdf_pages or len(reader.pages) > limits.max_pdf_pages:
+        raise FileTooComplex(  # (the tree walked only where its count is under the limit)
+            f"{filename!r} has more than {limits.max_pdf_pages:,} pages (the limit per PDF)"
+        )
+
+
+def _docx(filename: str, data: bytes, limits: IngestLimits) -> str:
     import docx
 
     from kvgate.docs.docx_text import docx_text
 
+    check_zip(filename, data, limits)  # before python-docx inflates any part
     try:
         document = docx.Document(io.BytesIO(data))
-    except (zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise UnreadableFile(f"{filename!r} is not a readable .docx: {exc}") from None
-    return docx_text(document)
+    except MemoryError:
+        raise
+    except Exception as exc:  # zipfile's, lxml's, python-docx's; the detail is logged
+        log.info("%r: python-docx: %s: %s", filename, type(exc).__name__, exc)
+        raise UnreadableFile(
+            f"{filename!r} is not a readable .docx (damaged, or not a Word document?)"
+        ) from None
+    return docx_text(document, lambda chars: check_chars(filename, chars, limits))

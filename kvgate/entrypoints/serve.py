@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from kvgate.config import DEFAULT_MODEL, EngineConfig, available_memory_bytes, parse_memory
+from kvgate.docs.bounds import IngestLimits, MiB
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.core_client import EngineClient
 from kvgate.engine.front import EngineFront
@@ -116,6 +117,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=["critical", "standard", "batch"],
         help="the priority class of document ingestion (its process's OS priority)",
     )
+    add_ingest_limit_args(p)
     g.add_argument(
         "--embed-precision",
         default="auto",
@@ -342,6 +344,31 @@ def _model_entry(entry: Mapping[str, Any], base: EngineConfig, i: int) -> ModelT
     )
 
 
+def add_ingest_limit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ingestion limits (per file; past one, the file fails alone)")
+    d = IngestLimits()
+    g.add_argument("--ingest-job-timeout", type=float, default=d.job_seconds,
+                   help="seconds one file's ingestion may run before it is stopped")  # fmt: skip
+    g.add_argument("--ingest-memory-mib", type=int, default=d.memory_bytes // MiB,
+                   help="MiB of memory the ingestion process may hold")  # fmt: skip
+    g.add_argument("--ingest-max-chars", type=int, default=d.max_text_chars,
+                   help="characters of text one file may have")  # fmt: skip
+    g.add_argument("--ingest-max-pages", type=int, default=d.max_pdf_pages,
+                   help="pages one PDF may have")  # fmt: skip
+    g.add_argument("--ingest-max-unzipped-mib", type=int, default=d.max_unzipped_bytes // MiB,
+                   help="MiB a .docx may inflate to (its parts, as declared)")  # fmt: skip
+
+
+def ingest_limits(a: argparse.Namespace) -> IngestLimits:
+    return IngestLimits(
+        max_unzipped_bytes=a.ingest_max_unzipped_mib * MiB,
+        max_pdf_pages=a.ingest_max_pages,
+        max_text_chars=a.ingest_max_chars,
+        job_seconds=a.ingest_job_timeout,
+        memory_bytes=a.ingest_memory_mib * MiB,
+    )
+
+
 def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) -> ServerConfig:
     """``models``: what ``models_to_serve`` gave (the first names the default model)."""
     if models:
@@ -365,6 +392,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         strict_data_dir=a.strict_data_dir,
         docs_url=a.docs_url,
         ingest_priority=a.ingest_priority,
+        ingest_limits=ingest_limits(a),
         embed_precision=a.embed_precision,
         log_level=a.log_level,
         shutdown_timeout=a.shutdown_timeout,

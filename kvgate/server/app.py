@@ -244,7 +244,11 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService:
         )
 
     embedder = functools.partial(E5Embedder, precision=config.embed_precision)  # pickles
-    return DocsService(store, embedder, limits, priority=config.ingest_priority)
+    return DocsService(
+        store, embedder, limits, priority=config.ingest_priority,
+        ingest_limits=config.ingest_limits,
+        tenant_class=lambda tenant: governance.spec(tenant).priority,
+    )  # fmt: skip
 
 
 def _usage_ledger(config: ServerConfig) -> UsageLedger:

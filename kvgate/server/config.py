@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.docs.bounds import IngestLimits
 from kvgate.errors import InvalidConfig
 from kvgate.server.limits import RequestLimits
 from kvgate.settings_file import read_table
@@ -65,6 +66,8 @@ class ServerConfig:
     docs_url: str | None = None
     #: The priority class document ingestion runs at (its process's OS priority).
     ingest_priority: str = "batch"
+    #: What one file's ingestion may take (time, memory, pages, characters); docs/bounds.py.
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     #: The document embedder's arithmetic: auto, float32 or bfloat16 (docs/e5_encoder.py).
     embed_precision: str = "auto"  # one of EMBED_PRECISIONS
     #: What one request may make the server do (body size, prompt size, stop lists, read

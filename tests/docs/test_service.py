@@ -5,6 +5,8 @@ SQLite and on PostgreSQL."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -237,17 +239,20 @@ def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(
     long_law = "\n\n".join(f"第{i}条 内容{i}。" for i in range(1, 200))
     file_id = _upload(docs, tmp_path, "t", "long.md", long_law.encode())
     store = docs.create_store("t", None, [file_id], {"type": "auto"}, {})
-    proc = docs._worker._proc
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while docs.store.counts(store.id)["in_progress"] and time.monotonic() < deadline:
-        if proc.is_alive() and docs.store.file(file_id, None).text is not None:  # type: ignore[union-attr]
-            proc.kill()  # mid-job: its text is extracted, its chunks not yet written
+        pid = docs._worker.pid
+        if pid is not None and docs.store.file(file_id, None).text is not None:  # type: ignore[union-attr]
+            os.kill(
+                pid, signal.SIGKILL
+            )  # mid-job: its text is extracted, its chunks not yet written
             break
         time.sleep(0.05)
     assert docs.wait_idle(30)
     (record,) = docs.store.store_files(store.id)
     assert record.status == "failed" and record.last_error is not None
     assert "ingestion process died" in record.last_error["message"]
+    assert "SIGKILL" in record.last_error["message"]
     # The next job gets a new process.
     small = _upload(docs, tmp_path, "t", "small.md", "第一条 年休假。".encode())
     docs.add_store_file("t", store.id, small, None, {})

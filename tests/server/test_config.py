@@ -129,3 +129,22 @@ def test_bad_model_lists_are_named(
         argv = ["--config", str(path), *argv]
     with pytest.raises(InvalidConfig, match=message):
         _models(argv)
+
+
+def test_ingestion_limit_flags_and_settings(tmp_path: Path) -> None:
+    from kvgate.docs.bounds import IngestLimits
+
+    assert server_config(_parse(["serve"])).ingest_limits == IngestLimits()
+    path = tmp_path / "kvgate.toml"
+    path.write_text("ingest_max_pages = 100\n")
+    config = server_config(
+        _parse(["serve", "--config", str(path), "--ingest-job-timeout", "30",
+                "--ingest-memory-mib", "1024", "--ingest-max-chars", "5000",
+                "--ingest-max-unzipped-mib", "16"])
+    )  # fmt: skip
+    assert config.ingest_limits == IngestLimits(
+        max_unzipped_bytes=16 * 2**20, max_pdf_pages=100, max_text_chars=5000,
+        job_seconds=30.0, memory_bytes=1024 * 2**20,
+    )  # fmt: skip
+    with pytest.raises(InvalidConfig, match="max_text_chars"):
+        server_config(_parse(["serve", "--ingest-max-chars", "0"]))
