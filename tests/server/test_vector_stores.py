@@ -111,6 +111,32 @@ def test_upload_list_read_and_delete_a_file(docs_server: LiveServer) -> None:
         client.files.retrieve(made.id)
 
 
+@pytest.mark.parametrize(
+    "name", [b"a\x1b[31mred.md", b"nul\x00.md", b"bell\x07.txt", b"x" * 253 + b".md"]
+)
+def test_file_names_with_control_characters_or_too_long_are_refused(
+    docs_server: LiveServer, name: bytes
+) -> None:
+    # A raw multipart body: the openai client (httpx) would percent-encode the controls.
+    boundary = b"kvgate-boundary"
+    body = (
+        b"--" + boundary + b'\r\ncontent-disposition: form-data; name="purpose"\r\n\r\n'
+        b"user_data\r\n--" + boundary + b'\r\ncontent-disposition: form-data; name="file"; '
+        b'filename="'
+        + name
+        + b'"\r\ncontent-type: text/plain\r\n\r\ntext\r\n--'
+        + boundary
+        + b"--\r\n"
+    )
+    resp = httpx.post(
+        f"{docs_server.api_url}/files", content=body, timeout=30,
+        headers={"authorization": "Bearer sk-a",
+                 "content-type": f"multipart/form-data; boundary={boundary.decode()}"},
+    )  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "file"
+
+
 def test_search_finds_the_clause_and_says_where_it_lies(
     docs_server: LiveServer, laws_store: tuple[str, dict[str, str]]
 ) -> None:
