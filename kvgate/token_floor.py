@@ -17,13 +17,14 @@ that merge characters (NFC composing an accent) could shrink a text before it is
 further factor of 2 covers them, as the old bound's did. ``tokens >= W / 4``.
 
 Measured (AMD EPYC, 2026-12-03), actual tokens over ``W``: SmolLM2 1.8 on Chinese law text,
-4.5 on English, 1.0 on digits; Gemma 3 2.6, 4.7 and 12. Weighing a 4 MB body takes about
-20 ms (numpy over its code points), and only bodies longer than 4 x the context in
-characters are weighed at all.
+4.5 on English, 1.0 on digits; Gemma 3 2.6, 4.7 and 12. Weighing 1.32 M Chinese characters
+whole takes 61 ms (numpy over their code points): the gate stops once the bound passes the
+context, and weighs only prompts longer than 4 x the context in characters.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -31,6 +32,8 @@ import numpy.typing as npt
 
 #: See the module docstring: 2 for a character a token only begins, 2 for normalizers.
 SLACK = 4
+#: Characters weighed at a time (a 256 KiB buffer of code points).
+PIECE = 65536
 
 
 class TokenFloor:
@@ -61,14 +64,26 @@ class TokenFloor:
                     longest[c] = n
         return cls(longest)
 
-    def weight(self, text: str) -> float:
-        """``W`` of one text: the sum of its characters' weights."""
-        if not text:
-            return 0.0
-        cps = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
-        idx = np.minimum(cps, len(self._weight) - 1)
-        return float(self._weight[idx].sum())
+    def weight(self, text: str, stop_above: float = math.inf) -> float:
+        """``W`` of one text: the sum of its characters' weights; weighed a piece at a time,
+        and no further once past ``stop_above`` (what it returns is still a lower bound)."""
+        total = 0.0
+        for start in range(0, len(text), PIECE):
+            piece = text[start : start + PIECE].encode("utf-32-le", errors="surrogatepass")
+            cps = np.frombuffer(piece, dtype=np.uint32)
+            total += float(self._weight[np.minimum(cps, len(self._weight) - 1)].sum())
+            if total > stop_above:
+                break
+        return total
 
-    def tokens(self, texts: Iterable[str]) -> int:
-        """At least this many tokens, over all the texts (each encoded on its own)."""
-        return int(sum(self.weight(t) for t in texts) / SLACK)
+    def tokens(self, texts: Iterable[str], stop_above: int | None = None) -> int:
+        """At least this many tokens, over all the texts (each encoded on its own). With
+        ``stop_above``, weighing stops once the bound passes it: a 1.32 M-character Chinese
+        prompt took 61 ms to weigh whole, of the event loop's time, for a context of 8192."""
+        limit = math.inf if stop_above is None else (stop_above + 1) * SLACK
+        total = 0.0
+        for text in texts:
+            total += self.weight(text, limit - total)
+            if total > limit:
+                break
+        return int(total / SLACK)

@@ -87,3 +87,24 @@ def test_characters_no_token_holds_weigh_one_each() -> None:
     assert floor.weight("中中") == pytest.approx(1.0)
     # Unknown code points, below and above every known one, and a lone surrogate.
     assert floor.weight("b\U0001f600\ud800") == pytest.approx(3.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parts=st.lists(st.text(alphabet=CJK + DIGITS + " a", max_size=3000), max_size=4),
+    stop=st.integers(min_value=-1, max_value=400),
+)
+def test_stopping_early_decides_the_same_and_stays_a_lower_bound(
+    parts: list[str], stop: int
+) -> None:
+    floor = TokenFloor({"a": 3, "中": 2, "0": 4})
+    whole = floor.tokens(parts)
+    early = floor.tokens(parts, stop_above=stop)
+    assert early <= whole
+    assert (early > stop) == (whole > stop)
+
+
+def test_a_huge_prompt_is_weighed_only_until_it_is_over() -> None:
+    floor = TokenFloor({})
+    huge = "中" * 10_000_000
+    assert floor.tokens([huge], stop_above=8192) <= 8192 + 1 + 65536 // SLACK

@@ -98,7 +98,7 @@ class Door:
         for texts, ids in prompts:
             if ids + sum(len(t) for t in texts) / SLACK <= tokens:
                 continue  # a character weighs at most 1: too short to be over, not weighed
-            floor = ids + self.floor.tokens(texts)
+            floor = ids + self.floor.tokens(texts, stop_above=tokens - ids)
             if floor > tokens:
                 raise PromptTooLong(floor, 0, tokens, at_least=True, param=param)
 
