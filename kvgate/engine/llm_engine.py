@@ -86,7 +86,12 @@ class LLMEngine:
         self.dtype, why = resolve_dtype(config.dtype, self.device, kernels)
         t0 = time.perf_counter()
         log.info("loading weights of %r", config.model)
-        checkpoint = load_checkpoint(config.model)
+        # dtype auto: a GGUF's block-quantized matrices stay in their blocks where the native
+        # block kernels are built (quant_linear.py); a named dtype dequantizes them.
+        keep_quantized = (
+            config.dtype == "auto" and config.quantization is None and kernels.quant is not None
+        )
+        checkpoint = load_checkpoint(config.model, keep_quantized=keep_quantized)
         log.info(
             "weights read from %s in %.1f s; building the %s model (%s; %d layers)",
             checkpoint.path,

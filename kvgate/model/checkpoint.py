@@ -17,10 +17,15 @@ import torch
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
 from kvgate.model.config import ModelConfig
+from kvgate.model.quant_tensor import QuantTensor
 from kvgate.tokenizer import Tokenizer
+
+#: A loaded weight: a tensor, or a matrix kept in a GGML block format (``quant_tensor.py``).
+Weight = torch.Tensor | QuantTensor
 
 __all__ = [
     "Checkpoint",
+    "Weight",
     "check_weights",
     "expected_weight_shapes",
     "load_checkpoint",
@@ -39,7 +44,7 @@ class Checkpoint:
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tokenizer: Tokenizer
     path: str
 
@@ -98,7 +103,7 @@ def make_config(file: str, **fields: Any) -> ModelConfig:
 
 
 def check_weights(
-    weights: Mapping[str, torch.Tensor],
+    weights: Mapping[str, Weight],
     config: ModelConfig,
     path: str,
     sources: Mapping[str, str] | None = None,
@@ -123,7 +128,9 @@ def check_weights(
                 f"{where}: tensor {name!r} has shape {list(got)}, expected {list(shape)}",
                 path=where,
             )
-        if weights[name].is_floating_point() and not bool(torch.isfinite(weights[name]).all()):
+        # Blocks kept quantized are not read here (start-up would read the whole file).
+        w = weights[name]
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and not bool(w.isfinite().all()):
             where = (sources or {}).get(name, path)
             raise CorruptWeights(f"{where}: tensor {name!r} has inf/NaN values", path=where)
         seen.add(name)
@@ -137,8 +144,10 @@ def check_weights(
         )
 
 
-def load_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(model: str | os.PathLike[str], *, keep_quantized: bool = False) -> Checkpoint:
     """Load a model by alias (``"smollm2"``), ``.gguf`` file path or Hugging Face directory.
+
+    ``keep_quantized``: a GGUF's block-quantized matrices stay in their blocks (``load_gguf``).
 
     Raises:
         ModelNotFound: unknown path, or the aliased package is not installed.
@@ -154,7 +163,7 @@ def load_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
     if path.is_dir():
         return load_hf_dir(path)
     if is_gguf_file(path):
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized=keep_quantized)
     if path.suffix == ".safetensors":
         raise UnsupportedModel(
             f"{path}: pass the directory holding config.json and the safetensors, not the file",

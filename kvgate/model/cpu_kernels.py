@@ -51,6 +51,7 @@ _FLAGS = {
     "fused_ops.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
     "decode_layers.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
     "linear.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
+    "qlinear.c": [*_COMMON, "-fno-fast-math", "-ffp-contract=off"],
 }
 
 
@@ -98,6 +99,23 @@ def build_library(name: str, level: str) -> Path | None:
 def fn_address(fn: Any) -> int:  # a ctypes function of a loaded library
     """A loaded kernel's address, for C code that calls it through a pointer."""
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """How a native linear's kernel is called, for C code that calls it directly
+    (``native_decode``): the function's address, the packed weight, scales and bias
+    (addresses or None), ``kind`` ``widen`` (``linear_avx2``) or ``dot`` (``linear_bf16``),
+    N, K and the weight type of ``linear_avx2``."""
+
+    fn: int
+    weight: int
+    scale: int | None
+    bias: int | None
+    kind: str
+    n: int
+    k: int
+    wtype: int
 
 
 @dataclass(frozen=True)
@@ -276,6 +294,11 @@ def load_linear_lib(level: str | None = None) -> KernelLibrary | None:
     return load_library("linear.c", level)
 
 
+def load_quant_lib(level: str | None = None) -> KernelLibrary | None:
+    """The compiled kernels over GGML block formats (see ``model/quant_linear.py``), or None."""
+    return load_library("qlinear.c", level)
+
+
 def torch_bf16_gemm() -> bool:
     """Whether PyTorch has fast bf16 GEMMs here (oneDNN's bf16 path: AVX512-BF16 or AMX, or
     AVX-512 / AVX-NE-CONVERT emulating it) at this process's level: the one probe behind
@@ -292,6 +315,7 @@ class CpuKernels:
     linear: KernelLibrary | None
     attention: PagedDecodeKernel | None
     elementwise: KernelLibrary | None
+    quant: KernelLibrary | None = None  # qlinear.c: weights in GGML block formats
 
     @classmethod
     def probe(cls, level: str | None = None, *, enabled: bool = True) -> CpuKernels:
@@ -301,7 +325,11 @@ class CpuKernels:
         if not enabled:
             return cls(level, None, None, None)
         return cls(
-            level, load_linear_lib(level), load_paged_decode(level), load_fused_ops_lib(level)
+            level,
+            load_linear_lib(level),
+            load_paged_decode(level),
+            load_fused_ops_lib(level),
+            load_quant_lib(level),
         )
 
     def paths(self) -> dict[str, str]:
@@ -310,4 +338,5 @@ class CpuKernels:
             "linear": self.linear.isa if self.linear else "torch",
             "attention": self.attention.isa if self.attention else "torch",
             "elementwise": self.elementwise.isa if self.elementwise else "torch",
+            "quant": self.quant.isa if self.quant else "torch",
         }

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvgate.model.attention import AttentionMetadata
 from kvgate.model.cpu_kernels import KernelLibrary
+from kvgate.model.linear import Weight
 from kvgate.model.llama import LayerWeights, LlamaModel, per_layer
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import LayerOps, TorchLayerOps
@@ -36,12 +37,12 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = torch.tensor(c.hidden_size**0.5).to(self.dtype)
 
     def _norm(
-        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
     ) -> torch.Tensor:
-        w = self._raw(weights, name, shape).to(device=self.device, dtype=torch.float32)
+        w = self._vector(weights, name, shape).to(device=self.device, dtype=torch.float32)
         return (1.0 + w).contiguous()
 
-    def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+    def _layer(self, weights: Mapping[str, Weight], i: int) -> LayerWeights:
         layer = super()._layer(weights, i)
         p, h = f"model.layers.{i}.", (self.config.hidden_size,)
         layer.pre_ffn_norm = self._norm(weights, p + "pre_feedforward_layernorm.weight", h)
@@ -76,7 +77,7 @@ class Gemma3Model(LlamaModel):
         metas = per_layer(meta, len(self.layers))
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
         tables = (self.rope.tables(positions), self.rope_local.tables(positions))
-        x = F.embedding(input_ids, self.embed) * self.embed_scale  # [T, H]
+        x = self.embed(input_ids) * self.embed_scale  # [T, H]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and pause:
                 yield

@@ -1,9 +1,12 @@
 """Load a llama.cpp GGUF file (the architectures of ``architectures.py``; byte-level BPE or
 SentencePiece vocabularies) as a Checkpoint.
 
-Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), renamed to Hugging Face
-names, attn_q/attn_k rows are un-permuted back to HF's ``rotate_half`` layout where
-llama.cpp permuted them (Llama), and norms stored as ``1 + w`` go back to ``w`` (Gemma).
+Tensors are dequantized to float32 (F16/BF16 ones keep their dtype), or with
+``keep_quantized`` the matrices in a block format ``csrc/qlinear.c`` multiplies stay in their
+blocks as ``QuantTensor`` views of the file's memory map (nothing copied or dequantized); they
+are renamed to Hugging Face names, attn_q/attn_k rows are un-permuted back to HF's
+``rotate_half`` layout where llama.cpp permuted them (Llama), and norms stored as ``1 + w``
+go back to ``w`` (Gemma).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvgate.model.architectures import (
 )
 from kvgate.model.checkpoint import Checkpoint, check_weights, make_config
 from kvgate.model.config import ModelConfig, RopeScaling
+from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor, dequantize_blocks
 from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
 from kvgate.tokenizer_spm import spm_backend
 
@@ -50,29 +54,45 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
+def load_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> Checkpoint:
     """Read config, tokenizer and weights from a GGUF file.
 
+    ``keep_quantized``: 2-D tensors in a type of ``NATIVE_QTYPES`` become ``QuantTensor``s
+    over the file's memory map (start-up reads only the header; pages come in as the kernels
+    touch them); every other tensor is read as without it.
+
     Raises:
-        CorruptWeights: the file does not parse (truncated, not GGUF) or a tensor is missing or
-            has the wrong shape; the message names the file (and tensor).
-        UnsupportedModel: an architecture, tokenizer or RoPE variant we cannot run.
+        CorruptWeights: the file does not parse (truncated, not GGUF), a tensor lies past the
+            end of the file, or a tensor is missing or has the wrong shape; the message names
+            the file (and tensor).
+        UnsupportedModel: an architecture, tokenizer, tensor type or RoPE variant we cannot run.
     """
     file = str(path)
     buf = _map(file)
     fields, infos, data_start = _parse_header(buf, file)
+    # Every tensor's extent against the file's size before any is read: a map of a short
+    # file faults (SIGBUS) on the first access past its end, inside a step.
+    extents = {info.name: _extent(buf, data_start, info, file) for info in infos}
     config = _config_from_fields(fields, {t.name for t in infos}, file)
     tokenizer = _tokenizer_from_fields(fields, file)
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantTensor] = {}
     arch = config.arch
     for info in infos:
         name = _hf_name(arch, info.name, file)
-        t = _read_tensor(buf, data_start, info, file)
+        start, nbytes = extents[info.name]
+        t: torch.Tensor | QuantTensor
+        if keep_quantized and info.qtype in NATIVE_QTYPES and len(info.dims) == 2:
+            rows = buf[start : start + nbytes].reshape(info.dims[1], -1)
+            t = QuantTensor(info.qtype, (info.dims[1], info.dims[0]), torch.from_numpy(rows),
+                            info.name)  # fmt: skip
+        else:
+            t = _read_tensor(buf, start, nbytes, info, file)
         if arch.gguf_permutes_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             t = _unpermute(t, heads, file, info.name)
         if arch.norm_offset and name.endswith("norm.weight"):
+            assert isinstance(t, torch.Tensor)  # norms are 1-D: never kept in blocks
             t = t.float() - arch.norm_offset  # transformers undoes it the same way
         weights[name] = t
     check_weights(weights, config, file)
@@ -91,18 +111,23 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 
 
 def _map(file: str) -> np.ndarray:
+    # Copy-on-write: torch takes a writable view without copying or warning; nothing writes
+    # to it, so its pages stay the file's (shared with the page cache, never swapped).
     try:
-        return np.memmap(file, dtype=np.uint8, mode="r")
+        return np.memmap(file, dtype=np.uint8, mode="c")
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise CorruptWeights(f"{file}: cannot read ({exc})", path=file) from exc
 
 
-def _unpermute(w: torch.Tensor, n_heads: int, file: str, name: str) -> torch.Tensor:
+def _unpermute(
+    w: torch.Tensor | QuantTensor, n_heads: int, file: str, name: str
+) -> torch.Tensor | QuantTensor:
     """Invert llama.cpp's convert permutation of Q/K rows.
 
     llama.cpp stores each head's rows as interleaved (even, odd) rotary pairs:
     ``w.reshape(n_heads, 2, hd // 2, in).swapaxes(1, 2)``; HF wants the two halves
-    (``rotate_half``), so reshape as ``(n_heads, hd // 2, 2, in)`` and swap back.
+    (``rotate_half``), so reshape as ``(n_heads, hd // 2, 2, in)`` and swap back. A row
+    permutation: blocks move whole (a ``QuantTensor``'s rows are copied out of the map).
     """
     out = w.shape[0]
     if out % (2 * n_heads) != 0:
@@ -110,10 +135,10 @@ def _unpermute(w: torch.Tensor, n_heads: int, file: str, name: str) -> torch.Ten
             f"{file}: tensor {name!r} has {out} rows, not a multiple of 2 x {n_heads} heads",
             path=file,
         )
-    rest = w.shape[1:]
-    return (
-        w.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
-    ).contiguous()
+    index = torch.arange(out).reshape(n_heads, out // n_heads // 2, 2).transpose(1, 2).flatten()
+    if isinstance(w, QuantTensor):
+        return w.take_rows(index)
+    return w.index_select(0, index) if w.dim() > 1 else w[index]
 
 
 def _hf_name(arch: Architecture, gguf_name: str, file: str) -> str:
@@ -243,17 +268,20 @@ def _parse_header(buf: np.ndarray, file: str) -> tuple[dict[str, Any], list[_Ten
     return fields, infos, data_start
 
 
-def _read_tensor(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str) -> torch.Tensor:
-    """One tensor as a CPU torch tensor of shape ``reversed(dims)`` (row-major, HF order).
+def _extent(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str) -> tuple[int, int]:
+    """(first byte, byte count) of a tensor, checked to lie inside the file.
 
-    Quantized types are dequantized to float32; F16/BF16 keep their dtype. Always a copy, since
-    the buffer is a read-only memory map.
+    Raises:
+        UnsupportedModel: a tensor type this reader does not know.
+        CorruptWeights: rows that are not whole blocks, or bytes past the end of the file.
     """
     if info.qtype not in GGML_QUANT_SIZES:
-        raise UnsupportedModel(f"{file}: tensor type {info.qtype.name} is not supported", path=file)
+        raise UnsupportedModel(
+            f"{file}: tensor {info.name!r} has type {info.qtype.name}, which is not supported",
+            path=file,
+        )
     block, type_size = GGML_QUANT_SIZES[info.qtype]
     n = math.prod(info.dims)
-    shape = tuple(reversed(info.dims))
     start = data_start + info.offset
     nbytes = n // block * type_size
     # Quantized rows are whole blocks: the contiguous axis (dims[0]) is a multiple of the block.
@@ -263,6 +291,17 @@ def _read_tensor(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str)
             f"({nbytes} bytes at offset {start}, file has {len(buf)})",
             path=file,
         )
+    return start, nbytes
+
+
+def _read_tensor(
+    buf: np.ndarray, start: int, nbytes: int, info: _TensorInfo, file: str
+) -> torch.Tensor:
+    """One tensor as a CPU torch tensor of shape ``reversed(dims)`` (row-major, HF order).
+
+    Quantized types are dequantized to float32; F16/BF16 keep their dtype. Always a copy.
+    """
+    shape = tuple(reversed(info.dims))
     raw = buf[start : start + nbytes]
     try:
         if info.qtype == GGMLQuantizationType.F16:
@@ -271,43 +310,13 @@ def _read_tensor(buf: np.ndarray, data_start: int, info: _TensorInfo, file: str)
             return torch.from_numpy(raw.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
         # Damaged scales can be inf/NaN; check_weights rejects non-finite weights by name.
         with np.errstate(all="ignore"):
-            values = _dequantize(raw, info.qtype, shape, type_size)
+            values = dequantize_blocks(raw, info.qtype, shape)
     except (ValueError, NotImplementedError) as exc:
         raise CorruptWeights(
             f"{file}: cannot dequantize tensor {info.name!r} ({info.qtype.name}: {exc})",
             path=file,
         ) from exc
-    return torch.from_numpy(values.reshape(shape))
-
-
-def _dequantize(
-    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], type_size: int
-) -> np.ndarray:
-    """float32 values of a tensor's bytes; a new, writable array.
-
-    Q8_0/Q4_0/Q4_1 are done over the whole tensor at once, with the same float32 arithmetic as
-    gguf.quants (bit-identical, several times faster); other types go through gguf.quants.
-    """
-    if qtype == GGMLQuantizationType.F32:
-        return raw.view(np.float32).copy()
-    blocks = raw.reshape(-1, type_size)
-    if qtype == GGMLQuantizationType.Q8_0:  # [d: f16][32 x int8]
-        d = blocks[:, :2].view(np.float16).astype(np.float32)
-        return blocks[:, 2:].view(np.int8).astype(np.float32) * d
-    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        # [d: f16]([m: f16])[16 bytes]: low nibbles are elements 0..15, high nibbles 16..31.
-        head = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
-        d = blocks[:, :2].view(np.float16).astype(np.float32)
-        qs = blocks[:, head:]
-        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
-        if qtype == GGMLQuantizationType.Q4_0:
-            return d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
-        m = blocks[:, 2:4].view(np.float16).astype(np.float32)
-        return (d * q.astype(np.float32)) + m
-    from gguf.quants import dequantize  # the general (slower) path
-
-    rows = raw.reshape(-1, shape[-1] // GGML_QUANT_SIZES[qtype][0] * type_size)
-    return np.array(dequantize(rows, qtype), dtype=np.float32)
+    return torch.from_numpy(values)
 
 
 def _f32(value: float) -> float:

@@ -76,7 +76,10 @@ def save_hf_checkpoint(
     """Save config.json, model.safetensors and the tokenizer files into ``directory``."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.to(dtype).contiguous() for name, t in checkpoint.weights.items()}
+    tensors = {
+        name: (t if isinstance(t, torch.Tensor) else t.dequantize()).to(dtype).contiguous()
+        for name, t in checkpoint.weights.items()
+    }
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(hf_config(checkpoint, dtype), indent=2) + "\n")
     checkpoint.tokenizer.save_hf(root)

@@ -63,7 +63,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     elif len(files) == 1:
         where = files.pop()
     check_weights(weights, config, where, sources)
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(root))
+    return Checkpoint(config=config, weights=dict(weights), tokenizer=tokenizer, path=str(root))
 
 
 def config_from_hf(

@@ -16,6 +16,10 @@ format (``quantization``) and what the compiled library says its vector path is:
   per decoded token, and 3 instructions per 16 multiply-adds where widening int8 to float32
   took 8 (on the AMD EPYC at one row: 32.3 GFLOP/s against 19.6 widened); with AVX512-VNNI
   (the avx512bf16 builds) ``vpdpwssd`` fuses the product and the add, same integers.
+- weights kept in a GGUF's block formats (``QuantTensor``: Q4_K, Q6_K, Q8_0, ...):
+  ``QuantLinear`` (``csrc/qlinear.c``), x quantized to int8 per 32 inputs, integer dot
+  products on the blocks as the file holds them; a type it lacks is dequantized once at load
+  (logged once per type) and takes the paths above.
 - otherwise: oneDNN's pre-packed bf16 weights where oneDNN takes them (bit-identical to
   ``F.linear``); ``F.linear`` for float32 (MKL) and on GPUs.
 
@@ -27,15 +31,19 @@ by one bf16 ulp in a few outputs in ten thousand (a different summation order).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvgate.model import cpu_isa
-from kvgate.model.cpu_kernels import KernelLibrary, fn_address
+from kvgate.model.cpu_kernels import KernelCall, KernelLibrary, fn_address
+from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, native_qtype
+from kvgate.model.quant_tensor import QuantTensor
 
 log = logging.getLogger("kvgate.model")
 
@@ -54,23 +62,6 @@ class Linear(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of weights (and scales) one call reads."""
         ...
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """How a native linear's kernel is called, for C code that calls it directly
-    (``native_decode``): the function's address, the packed weight, scales and bias
-    (addresses or None), ``kind`` ``widen`` (``linear_avx2``) or ``dot`` (``linear_bf16``),
-    N, K and the weight type of ``linear_avx2``."""
-
-    fn: int
-    weight: int
-    scale: int | None
-    bias: int | None
-    kind: str
-    n: int
-    k: int
-    wtype: int
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -300,9 +291,9 @@ class LogitsHead:
         self.out_features = layer.out_features
         # float32 in: a WidenLinear built for float32 activations, whose sums stay float32
         self._float_in = isinstance(layer, WidenLinear) and layer.io_dtype == torch.float32
-        # or bf16 in, float32 sums out: linear_bf16_f32
+        # or bf16 in, float32 sums out: linear_bf16_f32, kvg_qlinear
         self.float32_sums = self._float_in or (
-            isinstance(layer, Bf16DotLinear) and layer.float32_out
+            isinstance(layer, Bf16DotLinear | QuantLinear) and layer.float32_out
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -331,12 +322,24 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _log_fallback(qtype: str, isa: str) -> None:
+    """Once per type and level: a block format without a native kernel here."""
+    log.warning("no native kernel for %s weights (%s): dequantized at load", qtype, isa)
+
+
+#: A matrix as loaded: a tensor, or rows kept in a GGML block format.
+Weight = torch.Tensor | QuantTensor
+
+
 @dataclass(frozen=True)
 class LinearFactory:
     """Builds every dense layer of a model: ``factory(weight, bias) -> Linear``.
 
     ``library``: the compiled ``linear.c`` (None: no vector path, or kernels off);
-    ``quantization``: None (weights in ``dtype``) or one of ``QUANTIZATIONS``.
+    ``quantization``: None (weights in ``dtype``) or one of ``QUANTIZATIONS``;
+    ``quant``: the compiled ``qlinear.c``, for weights kept in GGML blocks (None: they are
+    dequantized). ``native_qtypes`` collects the block formats its layers multiply natively.
     """
 
     dtype: torch.dtype
@@ -344,6 +347,8 @@ class LinearFactory:
     library: KernelLibrary | None
     quantization: str | None = None
     onednn: bool = False
+    quant: KernelLibrary | None = None
+    native_qtypes: set[str] = field(default_factory=set, compare=False)
 
     @classmethod
     def for_device(
@@ -352,22 +357,27 @@ class LinearFactory:
         device: torch.device,
         library: KernelLibrary | None,
         quantization: str | None = None,
+        quant: KernelLibrary | None = None,
     ) -> LinearFactory:
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None")
         cpu = device.type == "cpu"
+        native = cpu and dtype in (torch.bfloat16, torch.float32)
         return cls(
             dtype,
             device,
             library if cpu else None,
             quantization,
             onednn=cpu and onednn_packs(dtype),
+            quant=quant if native else None,
         )
 
     @property
     def path(self) -> str:
         """The kernel most layers get, for logs and ``kvgate:build_info``."""
         lib = self.library
+        if self.native_qtypes and self.quant is not None:
+            return f"{'+'.join(sorted(self.native_qtypes))}-{self.quant_isa}"
         if self.quantization is not None:
             if lib is None:
                 where = "dequantized-torch"
@@ -380,7 +390,48 @@ class LinearFactory:
             return "bf16-onednn"
         return f"torch-{str(self.dtype).removeprefix('torch.')}"
 
-    def logits(self, weight: torch.Tensor) -> LogitsHead:
+    @property
+    def quant_isa(self) -> str:
+        """The vector path of the block-format kernels: VNNI where built, else AVX2."""
+        if self.quant is None:
+            return "none"
+        return "avx512vnni" if self.quant.isa in BF16_DOT_ISAS else self.quant.isa
+
+    def _native(self, parts: Sequence[Weight]) -> list[QuantTensor] | None:
+        """``parts`` when every one is in a block format ``qlinear.c`` multiplies here."""
+        quant = [p for p in parts if isinstance(p, QuantTensor)]
+        if len(quant) != len(parts) or not all(native_qtype(self.quant, p) for p in quant):
+            return None
+        self.native_qtypes.update(p.qtype.name for p in quant)
+        return quant
+
+    def _dense(self, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return weight
+        _log_fallback(weight.qtype.name, self.quant_isa)
+        return weight.dequantize()
+
+    def fused(self, parts: Sequence[Weight], bias: torch.Tensor | None) -> Linear:
+        """One layer over the rows of ``parts`` stacked (q, k, v; gate, up): blocks kept
+        as they are where native, else the dense weights concatenated."""
+        quant = self._native(parts)
+        if quant is not None and self.quant is not None:
+            return QuantLinear(quant, bias, self.quant, io_dtype=self.dtype)
+        dense = [self._dense(p) for p in parts]
+        return self(dense[0] if len(dense) == 1 else torch.cat(dense), bias)
+
+    def embedding(self, table: Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Token ids [T] -> rows [T, H] in ``dtype``: blocks dequantized as looked up."""
+        if (
+            isinstance(table, QuantTensor)
+            and self.quant is not None
+            and native_qtype(self.quant, table)
+        ):
+            return QuantEmbedding(table, self.quant, self.dtype)
+        dense = self._dense(table).to(device=self.device, dtype=self.dtype).contiguous()
+        return functools.partial(F.embedding, weight=dense)
+
+    def logits(self, weight: Weight) -> LogitsHead:
         """The LM head over ``weight`` [V, H]: hidden states in ``dtype`` -> float32 logits.
 
         Where a bf16 model's layers run on a native kernel, the head keeps its float32 sums:
@@ -390,6 +441,12 @@ class LinearFactory:
         whose float32 sums differ tie, greedy then taking the lower id. Elsewhere (oneDNN,
         ``F.linear``) the layer's bf16 output is upcast.
         """
+        quant = self._native([weight])
+        if quant is not None and self.quant is not None:
+            return LogitsHead(
+                QuantLinear(quant, None, self.quant, io_dtype=self.dtype, float32_out=True)
+            )
+        weight = self._dense(weight)
         lib, q = self.library, self.quantization
         kernel = self._kernel(weight) if self.dtype == torch.bfloat16 else None
         if lib is not None and kernel == "widen":
@@ -414,8 +471,11 @@ class LinearFactory:
             return "dot"
         return "widen" if WidenLinear.supports(weight, dtype) else None
 
-    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """``weight`` [N, K] in any float dtype (cast here); ``bias`` [N] or None."""
+    def __call__(self, weight: Weight, bias: torch.Tensor | None) -> Linear:
+        """``weight`` [N, K] in any float dtype (cast here), or in GGML blocks;
+        ``bias`` [N] or None."""
+        if isinstance(weight, QuantTensor):
+            return self.fused([weight], bias)
         lib, dtype, q = self.library, self.dtype, self.quantization
         if bias is not None:
             bias = bias.to(device=self.device, dtype=dtype).contiguous()

@@ -12,13 +12,12 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvgate.errors import CorruptWeights
 from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
-from kvgate.model.linear import Linear, LinearFactory
+from kvgate.model.linear import Linear, LinearFactory, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
@@ -62,7 +61,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -83,12 +82,16 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.linear = LinearFactory.for_device(
-            dtype, device, kernels.linear if kernels else None, quantization
+            dtype,
+            device,
+            kernels.linear if kernels else None,
+            quantization,
+            quant=kernels.quant if kernels else None,
         )
         self._num_params = 0
 
         embed = self._raw(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.embed = self._cast(embed)
+        self.embed = self.linear.embedding(embed)  # ids [T] -> [T, H]
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
             lm_head = embed
         else:
@@ -126,12 +129,19 @@ class LlamaModel:
         return NativeDecode.build(self.config, layers, self.ops, self.attention, level)
 
     def _take(
-        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
     ) -> torch.Tensor:
-        return self._cast(self._raw(weights, name, shape))
+        return self._cast(self._vector(weights, name, shape))
+
+    def _vector(
+        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """A 1-D weight as loaded (a bias): never kept in blocks."""
+        w = self._raw(weights, name, shape)
+        return w if isinstance(w, torch.Tensor) else w.dequantize()
 
     def _norm(
-        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
+        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
     ) -> torch.Tensor:
         """A norm's weight as the forward pass multiplies by it."""
         return self._take(weights, name, shape)
@@ -139,10 +149,9 @@ class LlamaModel:
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _raw(
-        self, weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """The tensor as loaded (float32 for a dequantized GGUF), shape checked; counted."""
+    def _raw(self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]) -> Weight:
+        """The tensor as loaded (float32 for a dequantized GGUF, or its blocks), shape
+        checked; counted."""
         w = weights.get(name)
         if w is None:
             raise CorruptWeights(f"missing tensor {name!r} in {self._source}", path=self._source)
@@ -155,7 +164,7 @@ class LlamaModel:
             self._num_params += w.numel()
         return w
 
-    def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+    def _layer(self, weights: Mapping[str, Weight], i: int) -> LayerWeights:
         c = self.config
         p = f"model.layers.{i}."
         h = c.hidden_size
@@ -167,9 +176,9 @@ class LlamaModel:
         if c.attention_bias:
             bias = torch.cat(
                 [
-                    self._raw(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
-                    self._raw(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
-                    self._raw(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
+                    self._vector(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
+                    self._vector(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
+                    self._vector(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
                 ]
             )
         gate = self._raw(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
@@ -178,10 +187,10 @@ class LlamaModel:
         down = self._raw(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
         return LayerWeights(
             input_norm=self._norm(weights, p + "input_layernorm.weight", (h,)),
-            qkv=self.linear(torch.cat([q, k, v]), bias),
+            qkv=self.linear.fused([q, k, v], bias),
             o=self.linear(o, None),
             post_norm=self._norm(weights, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=self.linear(torch.cat([gate, up]), None),
+            gate_up=self.linear.fused([gate, up], None),
             down=self.linear(down, None),
             q_norm=self._norm(weights, p + "self_attn.q_norm.weight", (c.head_dim,))
             if c.qk_norm
@@ -217,7 +226,9 @@ class LlamaModel:
         linears: list[Linear] = [self.lm_head]
         for layer in self.layers:
             linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        norms = self.config.hidden_size * (2 * len(self.layers) + 1) * self.embed.element_size()
+        norms = (
+            self.config.hidden_size * (2 * len(self.layers) + 1) * self.final_norm.element_size()
+        )
         return sum(lin.weight_bytes() for lin in linears) + norms
 
     @torch.inference_mode()
@@ -249,7 +260,7 @@ class LlamaModel:
         meta = metas[0]  # every layer's: Llama-family layers attend to the whole context
         eps = self.config.rms_norm_eps
         ops = self.ops
-        residual = F.embedding(input_ids, self.embed)  # [T, H]; updated in place below
+        residual = self.embed(input_ids)  # [T, H]; updated in place below
         h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
         native = self.native_decode
         if native is not None and native.applies(kv_caches, meta):

@@ -21,9 +21,10 @@ import torch
 
 from kvgate.model.attention import AttentionMetadata, TorchAttention
 from kvgate.model.config import ModelConfig
-from kvgate.model.cpu_kernels import KernelLibrary, PagedDecodeKernel, load_library
-from kvgate.model.linear import Bf16DotLinear, KernelCall, Linear, WidenLinear
+from kvgate.model.cpu_kernels import KernelCall, KernelLibrary, PagedDecodeKernel, load_library
+from kvgate.model.linear import Bf16DotLinear, Linear, WidenLinear
 from kvgate.model.ops import FusedCpuLayerOps
+from kvgate.model.quant_linear import QuantLinear
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int32
@@ -72,7 +73,7 @@ class DecodeStep:
 
 
 def _kernel_call(linear: Linear) -> KernelCall | None:
-    if isinstance(linear, WidenLinear | Bf16DotLinear):
+    if isinstance(linear, WidenLinear | Bf16DotLinear | QuantLinear):
         return linear.kernel_call()
     return None
 

@@ -57,7 +57,8 @@ def test_each_library_reports_its_vector_path(level: str) -> None:
     kernels = CpuKernels.probe(level)
     if level == "generic":
         # No vector path: the one fallback rule sends every op to PyTorch.
-        assert kernels.paths() == dict.fromkeys(("linear", "attention", "elementwise"), "torch")
+        ops = ("linear", "attention", "elementwise", "quant")
+        assert kernels.paths() == dict.fromkeys(ops, "torch")
         return
     libraries = [load_library(name, level) for name in ("linear.c", "fused_ops.c")]
     if any(lib is None for lib in libraries):

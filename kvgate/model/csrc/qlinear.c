@@ -1,0 +1,635 @@
+/* y = x W^T (+ b) with W kept in llama.cpp's GGML block formats, read in place (from the
+ * GGUF file's memory map: nothing is dequantized or repacked at load), and x quantized to
+ * int8 per block of 32 inputs (W4A8 .. W8A8, as llama.cpp's Q8_0 activations).
+ *
+ * Weight types (GGML enum values; a block holds 32 or 256 inputs of one output row):
+ *   Q4_0  2  32 / 18 B: f16 d, 16 B nibbles           w = d (q - 8)
+ *   Q4_1  3  32 / 20 B: f16 d, f16 m, 16 B nibbles    w = d q + m
+ *   Q5_0  6  32 / 22 B: f16 d, u32 high bits, nibbles w = d (q - 16)
+ *   Q5_1  7  32 / 24 B: f16 d, f16 m, u32, nibbles    w = d q + m
+ *   Q8_0  8  32 / 34 B: f16 d, 32 x int8              w = d q
+ *   Q4_K 12 256 / 144 B: f16 d, f16 dmin, 8 x (6-bit scale, 6-bit min), 128 B nibbles
+ *                                                     w = d sc_j q - dmin m_j (sub-block j of 32)
+ *   Q5_K 13 256 / 176 B: Q4_K's plus 32 B of fifth bits
+ *   Q6_K 14 256 / 210 B: 128 B low nibbles, 64 B high pairs, 16 x int8 scales, f16 d
+ *                                                     w = d sc_j (q - 32) (sub-block j of 16)
+ *
+ * Every type decodes to one canonical form, per group of 16 inputs g:
+ *   w[k] = ws[g] q[k] + wo[g], q[k] an unsigned byte (Q8_0's int8 + 128)
+ * and each output is computed as
+ *   y[m, n] = sum_g dx[m, g / 2] (ws[n, g] dot_g(q[n], xq[m]) + wo[n, g] isum_g(xq[m]))
+ * with xq the int8 activations (round to nearest even of x / dx, dx = max |x| / 127 per 32),
+ * isum_g their sums over the group. The integer dot products are exact (vpdpbusd with
+ * AVX512-VNNI; vpmaddubsw + vpmaddwd on AVX2, with the bytes shifted to signed so no pair can
+ * saturate: 2 x 128 x 127 < 2^15); the scales are applied in float32 per 64 (AVX-512) or 32
+ * (AVX2) inputs, always in the same order: a sequence's outputs never depend on the rows it is
+ * batched with, and a row's result does not depend on the tile it was computed in.
+ *
+ * Loops: columns are split into contiguous ranges per thread; within a range, blocks of C
+ * columns are decoded once into a per-thread buffer (u8 values, float scales and offsets) and
+ * then multiplied by every row of x, R rows at a time (R x C accumulators in registers). Rows
+ * go in blocks whose int8 x fits in ~256 KiB of L2, each block re-decoding the columns (decode
+ * costs about what 1.5 rows of products cost).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "isa.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* One run of output rows of W in one block format (the q, k and v projections of a fused
+ * layer may differ in type: Q4_K_M files keep some v and down projections in Q6_K). */
+typedef struct {
+    const uint8_t* data; /* rows x row_bytes */
+    int64_t rows;
+    int64_t row_bytes;
+    int32_t type;
+    int32_t pad;
+} kvg_qseg;
+
+typedef struct {
+    const kvg_qseg* segs;
+    int32_t nsegs;
+    int32_t k; /* inputs per row */
+} kvg_qweight;
+
+enum {
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+};
+
+/* Inputs per block and bytes per block of a supported type; 0 otherwise. */
+static int block_inputs(int type) {
+    switch (type) {
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+        default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+        case T_Q4_0: return 18;
+        case T_Q4_1: return 20;
+        case T_Q5_0: return 22;
+        case T_Q5_1: return 24;
+        case T_Q8_0: return 34;
+        case T_Q4_K: return 144;
+        case T_Q5_K: return 176;
+        case T_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* 1 where this library multiplies the type natively. */
+int kvg_qtype_supported(int type) {
+#ifdef KVGATE_AVX2
+    return block_inputs(type) > 0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+#ifdef KVGATE_AVX2
+#include <immintrin.h>
+
+#include "bf16_avx2.h"
+
+static inline float f16_at(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of nibbles -> 32 values: low nibbles (elements 0-15), then high ones (16-31). */
+static inline __m256i nibbles16(const uint8_t* qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Bit j of bits -> byte j: 0x10 where set, else 0 (the fifth bit of Q5_0 / Q5_1 values). */
+static inline __m256i fifth_bits(uint32_t bits) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i mask = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick),
+                                       mask);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, mask), _mm256_set1_epi8(0x10));
+}
+
+/* Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 packed bytes. */
+static inline void k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; ++j) {
+        sc[j] = (uint8_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        mn[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* One row of K inputs -> q [K] bytes, ws and wo [K / 16]: w[k] = ws[k / 16] q[k] + wo[k / 16].
+ * Returns the zero point z of types stored as d (q - z), whose exact float32 value is
+ * ws (q - z) (wo = -z ws then), or -1 for the types with an offset (w = ws q + wo): what
+ * dequantize uses to give exactly gguf's float32 values. */
+static int decode_row(const uint8_t* row, int type, int64_t K, uint8_t* q, float* ws,
+                      float* wo) {
+    const int64_t nb = K / block_inputs(type), bs = block_bytes(type);
+    switch (type) {
+        case T_Q4_0:
+        case T_Q4_1:
+        case T_Q5_0:
+        case T_Q5_1: {
+            const int with_min = type == T_Q4_1 || type == T_Q5_1;
+            const int five = type == T_Q5_0 || type == T_Q5_1;
+            const float zp = type == T_Q4_0 ? 8.0f : 16.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = row + b * bs;
+                const float d = f16_at(blk);
+                const int head = 2 + 2 * with_min;
+                uint32_t hb = 0;
+                if (five) memcpy(&hb, blk + head, 4);
+                __m256i v = nibbles16(blk + head + 4 * five);
+                if (five) v = _mm256_or_si256(v, fifth_bits(hb));
+                _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
+                const float off = with_min ? f16_at(blk + 2) : -zp * d;
+                ws[2 * b] = ws[2 * b + 1] = d;
+                wo[2 * b] = wo[2 * b + 1] = off;
+            }
+            return with_min ? -1 : (int)zp;
+        }
+        case T_Q8_0: {
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = row + b * bs;
+                const float d = f16_at(blk);
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 2));
+                _mm256_storeu_si256((__m256i*)(q + 32 * b), _mm256_xor_si256(v, flip));
+                ws[2 * b] = ws[2 * b + 1] = d;
+                wo[2 * b] = wo[2 * b + 1] = -128.0f * d;
+            }
+            return 128;
+        }
+        case T_Q4_K:
+        case T_Q5_K: {
+            const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = row + b * bs;
+                const float d = f16_at(blk), dmin = f16_at(blk + 2);
+                uint8_t sc[8], mn[8];
+                k_scales(blk + 4, sc, mn);
+                const uint8_t* qh = blk + 16;
+                const uint8_t* qs = blk + 16 + (type == T_Q5_K ? 32 : 0);
+                const __m256i hv =
+                    type == T_Q5_K ? _mm256_loadu_si256((const __m256i*)qh) : _mm256_setzero_si256();
+                uint8_t* out = q + 256 * b;
+                for (int c = 0; c < 4; ++c) { /* sub-blocks 2c (low nibbles), 2c + 1 (high) */
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+                    __m256i lo = _mm256_and_si256(v, m4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (type == T_Q5_K) {
+                        const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), one);
+                        const __m256i b1 =
+                            _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c + 1), one);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+                    }
+                    _mm256_storeu_si256((__m256i*)(out + 64 * c), lo);
+                    _mm256_storeu_si256((__m256i*)(out + 64 * c + 32), hi);
+                }
+                for (int j = 0; j < 8; ++j) {
+                    const float s = d * (float)sc[j], o = -(dmin * (float)mn[j]);
+                    ws[16 * b + 2 * j] = ws[16 * b + 2 * j + 1] = s;
+                    wo[16 * b + 2 * j] = wo[16 * b + 2 * j + 1] = o;
+                }
+            }
+            return -1;
+        }
+        case T_Q6_K: {
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = row + b * bs;
+                const uint8_t* ql = blk;
+                const uint8_t* qh = blk + 128;
+                const int8_t* sc = (const int8_t*)(blk + 192);
+                const float d = f16_at(blk + 208);
+                uint8_t* out = q + 256 * b;
+                for (int h = 0; h < 2; ++h) { /* halves of 128 inputs */
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
+                    const __m256i hv = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+                    const __m256i lows[4] = {
+                        _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                        _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                    };
+                    for (int s = 0; s < 4; ++s) { /* inputs 128 h + 32 s .. + 31 */
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * s), m2);
+                        _mm256_storeu_si256((__m256i*)(out + 128 * h + 32 * s),
+                                            _mm256_or_si256(lows[s], _mm256_slli_epi16(hi, 4)));
+                    }
+                }
+                for (int g = 0; g < 16; ++g) {
+                    const float s = d * (float)sc[g];
+                    ws[16 * b + g] = s;
+                    wo[16 * b + g] = -32.0f * s;
+                }
+            }
+            return 32;
+        }
+        default:
+            return -2;
+    }
+}
+
+/* Row n of W: its segment's type and bytes. */
+static inline const uint8_t* weight_row(const kvg_qweight* w, int64_t n, int* type) {
+    for (int s = 0; s < w->nsegs; ++s) {
+        if (n < w->segs[s].rows) {
+            *type = w->segs[s].type;
+            return w->segs[s].data + n * w->segs[s].row_bytes;
+        }
+        n -= w->segs[s].rows;
+    }
+    *type = -1;
+    return NULL;
+}
+
+static int weight_ok(const kvg_qweight* w, int N, int K) {
+    if (K <= 0 || K % 32 || w->k != K || w->nsegs <= 0) return 0;
+    int64_t rows = 0;
+    for (int s = 0; s < w->nsegs; ++s) {
+        const int t = w->segs[s].type, bi = block_inputs(t);
+        if (!bi || K % bi || w->segs[s].row_bytes != (int64_t)K / bi * block_bytes(t)) return 0;
+        rows += w->segs[s].rows;
+    }
+    return rows == N;
+}
+
+/* The float32 weights of `count` rows of W (row ids in rows[]), into out [count, K] as float32
+ * or (out_bf16) bf16 rounded to nearest even: exactly gguf.quants' float32 values. 0, or -1
+ * for a bad row id, type or shape. */
+int kvg_qdequant_rows(const kvg_qweight* w, const int64_t* rows, int count, int64_t N,
+                      void* out, int out_bf16) {
+    const int64_t K = w->k;
+    if (!weight_ok(w, (int)N, (int)K)) return -1;
+    int bad = 0;
+    #pragma omp parallel if ((int64_t)count * K > 65536)
+    {
+        uint8_t* q = (uint8_t*)malloc((size_t)K);
+        float* ws = (float*)malloc((size_t)K / 16 * sizeof(float));
+        float* wo = (float*)malloc((size_t)K / 16 * sizeof(float));
+        float* tmp = (float*)malloc((size_t)K * sizeof(float));
+        if (!q || !ws || !wo || !tmp) {
+            #pragma omp atomic write
+            bad = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int i = 0; i < count; ++i) {
+            int type;
+            const uint8_t* row =
+                rows[i] >= 0 && rows[i] < N && q && ws && wo && tmp ? weight_row(w, rows[i], &type)
+                                                                    : NULL;
+            if (!row) {
+                #pragma omp atomic write
+                bad = 1;
+                continue;
+            }
+            const int zp = decode_row(row, type, K, q, ws, wo);
+            float* dst = out_bf16 ? tmp : (float*)out + (int64_t)i * K;
+            for (int64_t k = 0; k < K; ++k) {
+                const float s = ws[k / 16];
+                dst[k] = zp >= 0 ? s * (float)((int)q[k] - zp) : s * (float)q[k] + wo[k / 16];
+            }
+            if (out_bf16) {
+                uint16_t* o = (uint16_t*)out + (int64_t)i * K;
+                for (int64_t k = 0; k < K; k += 8) bf16x8_store(o + k, _mm256_loadu_ps(tmp + k));
+            }
+        }
+        free(q);
+        free(ws);
+        free(wo);
+        free(tmp);
+    }
+    return bad ? -1 : 0;
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Activations: row m of x (K values) -> xq [Kp] int8 (zeros past K), dx [Kp / 32] (0 for an
+ * all-zero block), xs [Kp / 16] = dx x the group's integer sum. Kp: K rounded up to 64. */
+static void quantize_x(const void* x, int io_bf16, int64_t m, int64_t K, int64_t Kp, int8_t* xq,
+                       float* dx, float* xs) {
+    const uint16_t* xb = (const uint16_t*)x + m * K;
+    const float* xf = (const float*)x + m * K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i)
+            v[i] = io_bf16 ? bf16x8_load(xb + 32 * b + 8 * i) : _mm256_loadu_ps(xf + 32 * b + 8 * i);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                                _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                                _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        /* packs works per 128-bit lane: restore element order with one permute at the end */
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+        const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        const __m256i ordered =
+            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(xq + 32 * b), ordered);
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 16; ++i) {
+            s0 += xq[32 * b + i];
+            s1 += xq[32 * b + 16 + i];
+        }
+        dx[b] = d;
+        xs[2 * b] = d * (float)s0;
+        xs[2 * b + 1] = d * (float)s1;
+    }
+    for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
+    for (int64_t b = K / 32; b < Kp / 32; ++b) dx[b] = xs[2 * b] = xs[2 * b + 1] = 0.0f;
+}
+
+/* The decoded columns of one block: q [C][Kp], ws and wo [C][Kp / 16]; zeros past K. With
+ * shift (the AVX2 products use q - 128), wo holds wo + 128 ws: the same sum. */
+static int decode_columns(const kvg_qweight* w, int64_t n0, int C, int64_t K, int64_t Kp,
+                          uint8_t* q, float* ws, float* wo, int shift) {
+    for (int c = 0; c < C; ++c) {
+        int type;
+        const uint8_t* row = weight_row(w, n0 + c, &type);
+        if (!row) return -1;
+        uint8_t* qc = q + c * Kp;
+        float* sc = ws + c * (Kp / 16);
+        float* oc = wo + c * (Kp / 16);
+        decode_row(row, type, K, qc, sc, oc);
+        memset(qc + K, shift ? 128 : 0, (size_t)(Kp - K));
+        for (int64_t g = K / 16; g < Kp / 16; ++g) sc[g] = oc[g] = 0.0f;
+        if (shift)
+            for (int64_t g = 0; g < K / 16; ++g) oc[g] += 128.0f * sc[g];
+    }
+    return 0;
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum_g wo[g] xs[g] over G groups (a multiple of 4), in one fixed order. */
+static inline float offset_dot(const float* wo, const float* xs, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(wo + g), _mm256_loadu_ps(xs + g), acc);
+    float s = hsum8(acc);
+    for (; g < G; ++g) s += wo[g] * xs[g];
+    return s;
+}
+
+#if defined(KVGATE_AVX512BF16) && defined(__AVX512VNNI__)
+#define QSTEP 64 /* inputs per vpdpbusd over 64 bytes */
+#define MAX_R 4
+#define MAX_C 4
+/* R rows x C decoded columns over Kp inputs: the scaled integer dot products, before offsets.
+ * Per 64 inputs: 16 int32 lanes of 4 products (vpdpbusd from zero), to float32, times the
+ * lane's weight scale (groups of 16: lanes 4g..4g+3) and the row's (blocks of 32: 8 lanes). */
+#define DEFINE_QTILE(R, C)                                                                     \
+static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const uint8_t* q,  \
+                            const float* ws, float* out) {                                    \
+    const __m512i wi = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);    \
+    const __m512i xi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);    \
+    __m512 acc[R][C];                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();  \
+    for (int64_t k = 0; k < Kp; k += 64) {                                                    \
+        __m512i wv[C];                                                                        \
+        __m512 sv[C];                                                                         \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                                 \
+            wv[c] = _mm512_loadu_si512(q + c * Kp + k);                                       \
+            sv[c] = _mm512_permutexvar_ps(                                                    \
+                wi, _mm512_castps128_ps512(_mm_loadu_ps(ws + c * (Kp / 16) + k / 16)));       \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                 \
+            const __m512i xv = _mm512_loadu_si512(xq + r * Kp + k);                           \
+            const __m512 xs = _mm512_permutexvar_ps(                                          \
+                xi, _mm512_castps128_ps512(_mm_castpd_ps(                                     \
+                        _mm_load_sd((const double*)(dx + r * (Kp / 32) + k / 32)))));         \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                             \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], xv);     \
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sv[c], xs),  \
+                                            acc[r][c]);                                       \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)                                   \
+            out[r * MAX_C + c] = _mm512_reduce_add_ps(acc[r][c]);                             \
+}
+#define QSHIFT 0
+#else
+#define QSTEP 32
+#define MAX_R 4
+#define MAX_C 2
+/* AVX2: per 32 inputs, the bytes shifted to signed (q - 128), vpmaddubsw of |q - 128| with x
+ * signed by q - 128 (exact: a pair is at most 2 x 128 x 127 < 2^15), vpmaddwd with ones to
+ * 8 int32 lanes of 4 products; the offsets carry the + 128 (decode_columns' shift). */
+#define DEFINE_QTILE(R, C)                                                                     \
+static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const uint8_t* q,  \
+                            const float* ws, float* out) {                                    \
+    const __m256i wi = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                             \
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);           \
+    __m256 acc[R][C];                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();  \
+    for (int64_t k = 0; k < Kp; k += 32) {                                                    \
+        __m256i wabs[C], wsg[C];                                                              \
+        __m256 sv[C];                                                                         \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                                 \
+            wsg[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + c * Kp + k)),   \
+                                      flip);                                                  \
+            wabs[c] = _mm256_abs_epi8(wsg[c]);                                                \
+            sv[c] = _mm256_permutevar8x32_ps(                                                 \
+                _mm256_castps128_ps256(_mm_castpd_ps(                                         \
+                    _mm_load_sd((const double*)(ws + c * (Kp / 16) + k / 16)))),              \
+                wi);                                                                          \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                 \
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * Kp + k));         \
+            const __m256 xs = _mm256_broadcast_ss(dx + r * (Kp / 32) + k / 32);               \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                             \
+                const __m256i p16 = _mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(xv, wsg[c])); \
+                const __m256i p = _mm256_madd_epi16(p16, ones);                               \
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv[c], xs),  \
+                                            acc[r][c]);                                       \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)                                   \
+            out[r * MAX_C + c] = hsum8(acc[r][c]);                                            \
+}
+#define QSHIFT 1
+#endif
+
+typedef void (*qtile_fn)(const int8_t*, const float*, int64_t, const uint8_t*, const float*,
+                         float*);
+DEFINE_QTILE(1, 1) DEFINE_QTILE(2, 1) DEFINE_QTILE(3, 1) DEFINE_QTILE(4, 1)
+DEFINE_QTILE(1, 2) DEFINE_QTILE(2, 2) DEFINE_QTILE(3, 2) DEFINE_QTILE(4, 2)
+#if MAX_C == 4
+DEFINE_QTILE(1, 3) DEFINE_QTILE(2, 3) DEFINE_QTILE(3, 3) DEFINE_QTILE(4, 3)
+DEFINE_QTILE(1, 4) DEFINE_QTILE(2, 4) DEFINE_QTILE(3, 4) DEFINE_QTILE(4, 4)
+static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
+    {0},
+    {0, qtile_1_1, qtile_1_2, qtile_1_3, qtile_1_4},
+    {0, qtile_2_1, qtile_2_2, qtile_2_3, qtile_2_4},
+    {0, qtile_3_1, qtile_3_2, qtile_3_3, qtile_3_4},
+    {0, qtile_4_1, qtile_4_2, qtile_4_3, qtile_4_4},
+};
+#else
+static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
+    {0},
+    {0, qtile_1_1, qtile_1_2},
+    {0, qtile_2_1, qtile_2_2},
+    {0, qtile_3_1, qtile_3_2},
+    {0, qtile_4_1, qtile_4_2},
+};
+#endif
+
+/* The calling thread's scratch of at least n bytes, kept for its next calls (the engine's
+ * threads live as long as it does). NULL if it cannot grow. */
+static void* thread_scratch(size_t n) {
+    static __thread void* buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        void* grown = realloc(buf, n);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
+/* y [M, N] = x [M, K] W^T + bias. x bf16 (io_bf16) or float32; bias float32 [N] or NULL; y
+ * float32 (out_f32) or as x. The signature is linear_avx2's (csrc/linear.c), so the fused
+ * decode layers call either through one pointer type: `unused` is its scale argument.
+ * 0, or -1 for shapes or types not handled here, -2 when memory ran out. */
+int kvg_qlinear(const void* x, const void* weight, const float* unused, const void* bias,
+                void* y, int M, int N, int K, int out_f32, int io_bf16) {
+    (void)unused;
+    const kvg_qweight* w = (const kvg_qweight*)weight;
+    if (M <= 0 || N <= 0 || !weight_ok(w, N, K)) return -1;
+    const int64_t Kp = ((int64_t)K + 63) / 64 * 64;
+    int8_t* xq = (int8_t*)malloc((size_t)M * Kp);
+    float* dx = (float*)malloc((size_t)M * (Kp / 32) * sizeof(float));
+    float* xs = (float*)malloc((size_t)M * (Kp / 16) * sizeof(float));
+    if (!xq || !dx || !xs) {
+        free(xq);
+        free(dx);
+        free(xs);
+        return -2;
+    }
+    #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
+    for (int m = 0; m < M; ++m)
+        quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
+                   xs + (int64_t)m * (Kp / 16));
+    /* Rows per block: their int8 x in ~256 KiB, whole tiles. */
+    int64_t mb = 262144 / Kp;
+    mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
+    const float* b32 = (const float*)bias;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        int nt = 1, tid = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        tid = omp_get_thread_num();
+#endif
+        /* Contiguous ranges of whole column blocks per thread. */
+        const int64_t blocks = ((int64_t)N + MAX_C - 1) / MAX_C;
+        const int64_t n_lo = blocks * tid / nt * MAX_C;
+        int64_t n_hi = blocks * (tid + 1) / nt * MAX_C;
+        n_hi = n_hi < N ? n_hi : N;
+        const size_t qbytes = (size_t)MAX_C * Kp, sbytes = (size_t)MAX_C * (Kp / 16) * 4;
+        uint8_t* q = (uint8_t*)thread_scratch(qbytes + 2 * sbytes);
+        if (!q && n_lo < n_hi) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        float* ws = q ? (float*)(q + qbytes) : NULL;
+        float* wo = q ? (float*)(q + qbytes + sbytes) : NULL;
+        float out[MAX_R * MAX_C];
+        for (int64_t m0 = 0; q && m0 < M; m0 += mb) {
+            const int64_t m1 = m0 + mb < M ? m0 + mb : M;
+            for (int64_t n0 = n_lo; n0 < n_hi; n0 += MAX_C) {
+                const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
+                if (decode_columns(w, n0, C, K, Kp, q, ws, wo, QSHIFT)) {
+                    #pragma omp atomic write
+                    failed = 1;
+                    break;
+                }
+                for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
+                    const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
+                    QTILES[R][C](xq + r0 * Kp, dx + r0 * (Kp / 32), Kp, q, ws, out);
+                    for (int r = 0; r < R; ++r) {
+                        for (int c = 0; c < C; ++c) {
+                            float v = out[r * MAX_C + c] +
+                                      offset_dot(wo + c * (Kp / 16), xs + (r0 + r) * (Kp / 16),
+                                                 Kp / 16);
+                            if (b32) v += b32[n0 + c];
+                            const int64_t at = (r0 + r) * (int64_t)N + n0 + c;
+                            if (out_f32 || !io_bf16) {
+                                ((float*)y)[at] = v;
+                            } else {
+                                /* round once to bf16, nearest even (as torch) */
+                                const __m256 vv = _mm256_set1_ps(v);
+                                ((uint16_t*)y)[at] =
+                                    (uint16_t)_mm256_cvtsi256_si32(bf16x8_round_bits(vv));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(xq);
+    free(dx);
+    free(xs);
+    return failed ? -2 : 0;
+}
+#else
+int kvg_qdequant_rows(const kvg_qweight* w, const int64_t* rows, int count, int64_t N,
+                      void* out, int out_bf16) {
+    (void)w; (void)rows; (void)count; (void)N; (void)out; (void)out_bf16;
+    return -1;
+}
+
+int kvg_qlinear(const void* x, const void* weight, const float* unused, const void* bias,
+                void* y, int M, int N, int K, int out_f32, int io_bf16) {
+    (void)x; (void)weight; (void)unused; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    (void)out_f32; (void)io_bf16;
+    return -1;
+}
+#endif
+
+KVGATE_DEFINE_ISA()
