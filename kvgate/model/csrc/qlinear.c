@@ -62,7 +62,7 @@ enum {
 };
 
 /* Inputs per block and bytes per block of a supported type; 0 otherwise. */
-static int block_inputs(int type) {
+__attribute__((unused)) static int block_inputs(int type) {
     switch (type) {
         case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
         case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
@@ -70,7 +70,7 @@ static int block_inputs(int type) {
     }
 }
 
-static int block_bytes(int type) {
+__attribute__((unused)) static int block_bytes(int type) {
     switch (type) {
         case T_Q4_0: return 18;
         case T_Q4_1: return 20;
@@ -121,130 +121,190 @@ static inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(b, mask), _mm256_set1_epi8(0x10));
 }
 
-/* Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 packed bytes. */
+/* Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales (sc, bytes 0-7) and mins (mn) from their 12
+ * packed bytes, four bytes at a time: bytes 0-3 hold sc 0-3 (low 6 bits) and the top 2 bits of
+ * sc 4-7; bytes 4-7 mn 0-3 and the top bits of mn 4-7; bytes 8-11 the low 4 bits of sc 4-7
+ * (low nibbles) and of mn 4-7 (high nibbles). */
 static inline void k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; ++j) {
-        sc[j] = (uint8_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-        mn[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint32_t sc0 = a & six, mn0 = b & six;
+    const uint32_t sc1 = (c & four) | (((a >> 6) & two) << 4);
+    const uint32_t mn1 = ((c >> 4) & four) | (((b >> 6) & two) << 4);
+    memcpy(sc, &sc0, 4);
+    memcpy(sc + 4, &sc1, 4);
+    memcpy(mn, &mn0, 4);
+    memcpy(mn + 4, &mn1, 4);
 }
 
-/* One row of K inputs -> q [K] bytes, ws and wo [K / 16]: w[k] = ws[k / 16] q[k] + wo[k / 16].
- * Returns the zero point z of types stored as d (q - z), whose exact float32 value is
- * ws (q - z) (wo = -z ws then), or -1 for the types with an offset (w = ws q + wo): what
- * dequantize uses to give exactly gguf's float32 values. */
-static int decode_row(const uint8_t* row, int type, int64_t K, uint8_t* q, float* ws,
-                      float* wo) {
-    const int64_t nb = K / block_inputs(type), bs = block_bytes(type);
+/* 8 per-32 values v[j] -> 16 per-16 values at out: v0 v0 v1 v1 ... v7 v7. */
+static inline void store_pairs(float* out, __m256 v) {
+    const __m256 lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    const __m256 hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+}
+
+/* Inputs [k0, k0 + 64) of a row (k0 % 64 == 0) as 64 unsigned bytes at out; with half, only
+ * [k0, k0 + 32) (a row of 32-input blocks ending there) and zeros after. */
+static inline void decode64(const uint8_t* row, int type, int64_t k0, int half, uint8_t* out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     switch (type) {
         case T_Q4_0:
         case T_Q4_1:
         case T_Q5_0:
-        case T_Q5_1: {
-            const int with_min = type == T_Q4_1 || type == T_Q5_1;
-            const int five = type == T_Q5_0 || type == T_Q5_1;
-            const float zp = type == T_Q4_0 ? 8.0f : 16.0f;
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * bs;
-                const float d = f16_at(blk);
-                const int head = 2 + 2 * with_min;
-                uint32_t hb = 0;
-                if (five) memcpy(&hb, blk + head, 4);
-                __m256i v = nibbles16(blk + head + 4 * five);
-                if (five) v = _mm256_or_si256(v, fifth_bits(hb));
-                _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
-                const float off = with_min ? f16_at(blk + 2) : -zp * d;
-                ws[2 * b] = ws[2 * b + 1] = d;
-                wo[2 * b] = wo[2 * b + 1] = off;
-            }
-            return with_min ? -1 : (int)zp;
-        }
+        case T_Q5_1:
         case T_Q8_0: {
-            const __m256i flip = _mm256_set1_epi8((char)0x80);
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * bs;
-                const float d = f16_at(blk);
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                _mm256_storeu_si256((__m256i*)(q + 32 * b), _mm256_xor_si256(v, flip));
-                ws[2 * b] = ws[2 * b + 1] = d;
-                wo[2 * b] = wo[2 * b + 1] = -128.0f * d;
+            const int bs = block_bytes(type);
+            const int head = type == T_Q4_1 || type == T_Q5_1 ? 4 : 2;
+            const int five = type == T_Q5_0 || type == T_Q5_1;
+            for (int i = 0; i < 2; ++i) {
+                __m256i v = _mm256_setzero_si256();
+                if (!i || !half) {
+                    const uint8_t* blk = row + (k0 / 32 + i) * bs;
+                    if (type == T_Q8_0) {
+                        v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)),
+                                             _mm256_set1_epi8((char)0x80));
+                    } else {
+                        uint32_t hb = 0;
+                        if (five) memcpy(&hb, blk + head, 4);
+                        v = nibbles16(blk + head + 4 * five);
+                        if (five) v = _mm256_or_si256(v, fifth_bits(hb));
+                    }
+                }
+                _mm256_storeu_si256((__m256i*)(out + 32 * i), v);
             }
-            return 128;
+            return;
         }
         case T_Q4_K:
         case T_Q5_K: {
-            const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * bs;
-                const float d = f16_at(blk), dmin = f16_at(blk + 2);
-                uint8_t sc[8], mn[8];
-                k_scales(blk + 4, sc, mn);
-                const uint8_t* qh = blk + 16;
-                const uint8_t* qs = blk + 16 + (type == T_Q5_K ? 32 : 0);
-                const __m256i hv =
-                    type == T_Q5_K ? _mm256_loadu_si256((const __m256i*)qh) : _mm256_setzero_si256();
-                uint8_t* out = q + 256 * b;
-                for (int c = 0; c < 4; ++c) { /* sub-blocks 2c (low nibbles), 2c + 1 (high) */
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-                    __m256i lo = _mm256_and_si256(v, m4);
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    if (type == T_Q5_K) {
-                        const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), one);
-                        const __m256i b1 =
-                            _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c + 1), one);
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
-                    }
-                    _mm256_storeu_si256((__m256i*)(out + 64 * c), lo);
-                    _mm256_storeu_si256((__m256i*)(out + 64 * c + 32), hi);
-                }
-                for (int j = 0; j < 8; ++j) {
-                    const float s = d * (float)sc[j], o = -(dmin * (float)mn[j]);
-                    ws[16 * b + 2 * j] = ws[16 * b + 2 * j + 1] = s;
-                    wo[16 * b + 2 * j] = wo[16 * b + 2 * j + 1] = o;
-                }
+            const uint8_t* blk = row + k0 / 256 * block_bytes(type);
+            const int c = (int)(k0 % 256) / 64; /* sub-blocks 2c (low nibbles), 2c + 1 (high) */
+            const int five = type == T_Q5_K;
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * five + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                const __m256i one = _mm256_set1_epi8(1);
+                const __m256i hv = _mm256_loadu_si256((const __m256i*)(blk + 16));
+                lo = _mm256_or_si256(
+                    lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * c + 1), one), 4));
             }
+            _mm256_storeu_si256((__m256i*)out, lo);
+            _mm256_storeu_si256((__m256i*)(out + 32), hi);
+            return;
+        }
+        case T_Q6_K: {
+            /* inputs 128 h + 32 s + l: low nibble of ql[64 h + 32 (s & 1) + l] (high nibble
+             * for s >= 2), high pair (qh[32 h + l] >> 2 s) & 3 */
+            const uint8_t* blk = row + k0 / 256 * block_bytes(type);
+            const int t = (int)(k0 % 256) / 64, h = t / 2, top = t % 2; /* s = 2 top, 2 top + 1 */
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+            const __m256i hv = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+            const __m256i m2 = _mm256_set1_epi8(3);
+            const __m256i a = top ? _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4)
+                                  : _mm256_and_si256(l0, m4);
+            const __m256i b = top ? _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)
+                                  : _mm256_and_si256(l1, m4);
+            const __m256i ha = _mm256_and_si256(_mm256_srli_epi16(hv, 4 * top), m2);
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hv, 4 * top + 2), m2);
+            _mm256_storeu_si256((__m256i*)out, _mm256_or_si256(a, _mm256_slli_epi16(ha, 4)));
+            _mm256_storeu_si256((__m256i*)(out + 32),
+                                _mm256_or_si256(b, _mm256_slli_epi16(hb, 4)));
+            return;
+        }
+        default:
+            memset(out, 0, 64);
+    }
+}
+
+/* Scales and offsets of inputs [k0, k0 + 256) of a row (k0 % 256 == 0), per group of 16:
+ * ws, wo [16], zeros past K: w[k] = ws[g] q[k] + wo[g]. Returns the zero point z of types
+ * stored as d (q - z), whose exact float32 value is ws (q - z) (wo = -z ws then), or -1 for
+ * the types with an offset (w = ws q + wo): what dequantize uses to give exactly gguf's
+ * float32 values. */
+static inline int decode_scales256(const uint8_t* row, int type, int64_t k0, int64_t K, float* ws,
+                                   float* wo) {
+    switch (type) {
+        case T_Q4_0:
+        case T_Q4_1:
+        case T_Q5_0:
+        case T_Q5_1:
+        case T_Q8_0: {
+            const int bs = block_bytes(type);
+            const int with_min = type == T_Q4_1 || type == T_Q5_1;
+            const float zp = type == T_Q4_0 ? 8.0f : type == T_Q8_0 ? 128.0f : 16.0f;
+            for (int i = 0; i < 8; ++i) {
+                float d = 0.0f, off = 0.0f;
+                if (k0 + 32 * i < K) {
+                    const uint8_t* blk = row + (k0 / 32 + i) * bs;
+                    d = f16_at(blk);
+                    off = with_min ? f16_at(blk + 2) : -zp * d;
+                }
+                ws[2 * i] = ws[2 * i + 1] = d;
+                wo[2 * i] = wo[2 * i + 1] = off;
+            }
+            return with_min ? -1 : (int)zp;
+        }
+        case T_Q4_K:
+        case T_Q5_K: {
+            /* gguf's float32 values: (d sc) q - (dmin mn) */
+            const uint8_t* blk = row + k0 / 256 * block_bytes(type);
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            uint64_t sc8, mn8;
+            memcpy(&sc8, sc, 8);
+            memcpy(&mn8, mn, 8);
+            const __m256 scf =
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc8)));
+            const __m256 mnf =
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn8)));
+            store_pairs(ws, _mm256_mul_ps(_mm256_set1_ps(d), scf));
+            store_pairs(wo, _mm256_sub_ps(_mm256_setzero_ps(),
+                                          _mm256_mul_ps(_mm256_set1_ps(dmin), mnf)));
             return -1;
         }
         case T_Q6_K: {
-            const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * bs;
-                const uint8_t* ql = blk;
-                const uint8_t* qh = blk + 128;
-                const int8_t* sc = (const int8_t*)(blk + 192);
-                const float d = f16_at(blk + 208);
-                uint8_t* out = q + 256 * b;
-                for (int h = 0; h < 2; ++h) { /* halves of 128 inputs */
-                    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
-                    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
-                    const __m256i hv = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
-                    const __m256i lows[4] = {
-                        _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                        _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                    };
-                    for (int s = 0; s < 4; ++s) { /* inputs 128 h + 32 s .. + 31 */
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * s), m2);
-                        _mm256_storeu_si256((__m256i*)(out + 128 * h + 32 * s),
-                                            _mm256_or_si256(lows[s], _mm256_slli_epi16(hi, 4)));
-                    }
-                }
-                for (int g = 0; g < 16; ++g) {
-                    const float s = d * (float)sc[g];
-                    ws[16 * b + g] = s;
-                    wo[16 * b + g] = -32.0f * s;
-                }
-            }
+            const uint8_t* blk = row + k0 / 256 * block_bytes(type);
+            const __m128i sc16 = _mm_loadu_si128((const __m128i*)(blk + 192));
+            const __m256 vd = _mm256_set1_ps(f16_at(blk + 208)), z = _mm256_set1_ps(-32.0f);
+            const __m256 s0 = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)));
+            const __m256 s1 = _mm256_mul_ps(
+                vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))));
+            _mm256_storeu_ps(ws, s0);
+            _mm256_storeu_ps(ws + 8, s1);
+            _mm256_storeu_ps(wo, _mm256_mul_ps(z, s0));
+            _mm256_storeu_ps(wo + 8, _mm256_mul_ps(z, s1));
             return 32;
         }
         default:
+            memset(ws, 0, 16 * sizeof(float));
+            memset(wo, 0, 16 * sizeof(float));
             return -2;
     }
+}
+
+/* One row of K inputs (K % 32 == 0) -> q [Kp] bytes, ws and wo [Kp / 16] (Kp: K rounded up
+ * to 64; q zero, ws and wo zero past K). Returns decode_scales256's zero point. */
+static int decode_row(const uint8_t* row, int type, int64_t K, uint8_t* q, float* ws,
+                      float* wo) {
+    int zp = -2;
+    for (int64_t k0 = 0; k0 < K; k0 += 64) decode64(row, type, k0, K - k0 < 64, q + k0);
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        float gs[16], go[16];
+        zp = decode_scales256(row, type, k0, K, gs, go);
+        const int64_t groups = (K - k0 < 256 ? K - k0 : 256) / 16;
+        memcpy(ws + k0 / 16, gs, (size_t)groups * sizeof(float));
+        memcpy(wo + k0 / 16, go, (size_t)groups * sizeof(float));
+    }
+    return zp;
 }
 
 /* Row n of W: its segment's type and bytes. */
@@ -281,9 +341,10 @@ int kvg_qdequant_rows(const kvg_qweight* w, const int64_t* rows, int count, int6
     int bad = 0;
     #pragma omp parallel if ((int64_t)count * K > 65536)
     {
-        uint8_t* q = (uint8_t*)malloc((size_t)K);
-        float* ws = (float*)malloc((size_t)K / 16 * sizeof(float));
-        float* wo = (float*)malloc((size_t)K / 16 * sizeof(float));
+        const int64_t Kp = (K + 63) / 64 * 64;
+        uint8_t* q = (uint8_t*)malloc((size_t)Kp);
+        float* ws = (float*)malloc((size_t)Kp / 16 * sizeof(float));
+        float* wo = (float*)malloc((size_t)Kp / 16 * sizeof(float));
         float* tmp = (float*)malloc((size_t)K * sizeof(float));
         if (!q || !ws || !wo || !tmp) {
             #pragma omp atomic write
@@ -369,6 +430,250 @@ static void quantize_x(const void* x, int io_bf16, int64_t m, int64_t K, int64_t
     for (int64_t b = K / 32; b < Kp / 32; ++b) dx[b] = xs[2 * b] = xs[2 * b + 1] = 0.0f;
 }
 
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum_g wo[g] xs[g] over G groups (a multiple of 4), in one fixed order. */
+static inline float offset_dot(const float* wo, const float* xs, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(wo + g), _mm256_loadu_ps(xs + g), acc);
+    float s = hsum8(acc);
+    for (; g < G; ++g) s += wo[g] * xs[g];
+    return s;
+}
+
+/* The calling thread's scratch of at least n bytes, kept for its next calls (the engine's
+ * threads live as long as it does). NULL if it cannot grow. */
+static void* thread_scratch(size_t n) {
+    static __thread void* buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        void* grown = realloc(buf, n);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
+/* One output value: v + bias, stored as float32 or rounded once to bf16 (nearest even). */
+static inline void store_one(void* y, int64_t at, float v, int f32) {
+    if (f32) {
+        ((float*)y)[at] = v;
+    } else {
+        ((uint16_t*)y)[at] = (uint16_t)_mm256_cvtsi256_si32(bf16x8_round_bits(_mm256_set1_ps(v)));
+    }
+}
+
+/* The activations of a call, quantized once: xq [M][Kp], dx [M][Kp / 32], xs [M][Kp / 16]. */
+typedef struct {
+    const int8_t* xq;
+    const float* dx;
+    const float* xs;
+    int64_t Kp;
+} qacts;
+
+#if defined(KVGATE_AVX512BF16) && defined(__AVX512VNNI__)
+#include "bf16_avx512.h"
+
+/* ---- AVX512-VNNI: panels of 16 columns, x broadcast --------------------------------------
+ * A panel's decoded bytes are interleaved as vpdpbusd takes them: for each 4 inputs, the 16
+ * columns' 4 bytes side by side (64 bytes: qi [Kp / 4][16] dwords), and its scales and offsets
+ * per group of 16 inputs side by side (ws, wo [Kp / 16][16] floats). A row's 4 int8 inputs are
+ * broadcast to all 16 lanes: one vpdpbusd is 64 multiply-adds, 16 columns x 4 inputs, and each
+ * lane sums its column's exact int32 products over the group; then, per group, to float32,
+ * times the column's scale and the row's block scale, plus the offset times the row's group
+ * sum: 8 instructions per 256 multiply-adds, in one order for every row whatever M is. */
+#define PANEL 16
+#define MAX_R 4
+#define MAX_P 2
+
+/* dst[j][i] = src[i][j] for a 16 x 16 block of 32-bit values (row strides in elements). */
+static inline void transpose16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
+    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: rows i, i + 1 interleaved */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + e]: rows i..i+3 of lane element e */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) { /* column 4 L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e] */
+        const __m512i a0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
+        const __m512i a1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
+        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
+        _mm512_storeu_si512(dst + (0 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0x88));
+        _mm512_storeu_si512(dst + (4 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0x88));
+        _mm512_storeu_si512(dst + (8 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0xDD));
+        _mm512_storeu_si512(dst + (12 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0xDD));
+    }
+}
+
+/* Groups of 16 inputs a panel's scales are laid out for: Kp / 16 rounded up to 16 (whole
+ * 16 x 16 transposes). */
+static inline int64_t panel_groups(int64_t Kp) { return (Kp / 16 + 15) / 16 * 16; }
+
+/* Decode columns [n0, n0 + cols) (cols <= 16; the others zero) into one interleaved panel:
+ * qi [Kp / 4][16] dwords, ws and wo [panel_groups][16]: 64 inputs of the 16 rows at a time
+ * into a 1 KiB tile (L1), transposed to 16 dwords per 4 inputs; scales 256 inputs at a time. */
+static int decode_panel(const kvg_qweight* w, int64_t n0, int cols, int64_t K, int64_t Kp,
+                        uint32_t* qi, float* ws, float* wo) {
+    uint8_t tile[PANEL * 64] __attribute__((aligned(64)));
+    float gs[PANEL * 16] __attribute__((aligned(64))), go[PANEL * 16] __attribute__((aligned(64)));
+    const uint8_t* rows[PANEL];
+    int types[PANEL];
+    for (int c = 0; c < PANEL; ++c) {
+        rows[c] = NULL;
+        types[c] = -1;
+        if (c < cols && !(rows[c] = weight_row(w, n0 + c, &types[c]))) return -1;
+    }
+    for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
+        if (k0 % 256 == 0) {
+            for (int c = 0; c < PANEL; ++c)
+                decode_scales256(rows[c], types[c], k0, K, gs + 16 * c, go + 16 * c);
+            const int64_t g0 = k0 / 16;
+            transpose16((const uint32_t*)gs, 16, (uint32_t*)ws + g0 * PANEL, PANEL);
+            transpose16((const uint32_t*)go, 16, (uint32_t*)wo + g0 * PANEL, PANEL);
+        }
+        for (int c = 0; c < PANEL; ++c)
+            decode64(rows[c], types[c], k0, K - k0 < 64, tile + 64 * c);
+        transpose16((const uint32_t*)tile, 16, qi + k0 / 4 * PANEL, PANEL);
+    }
+    return 0;
+}
+
+/* R rows x P panels (16 P columns): out [R][P * 16] float32 sums, offsets included. */
+#define DEFINE_PTILE(R, P)                                                                     \
+static void ptile_##R##_##P(const int8_t* xq, const float* dx, const float* xs, int64_t Kp,   \
+                            const uint32_t* qi, const float* ws, const float* wo,             \
+                            int64_t pstride_q, int64_t pstride_s, float* out) {               \
+    __m512 acc[R][P];                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();  \
+    for (int64_t g = 0; g < Kp / 16; ++g) {                                                   \
+        __m512i isum[R][P];                                                                   \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                   \
+            _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                               \
+                isum[r][p] = _mm512_setzero_si512();                                          \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {                                 \
+            __m512i wv[P];                                                                    \
+            _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                               \
+                wv[p] = _mm512_loadu_si512(qi + p * pstride_q + (4 * g + j) * PANEL);         \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                             \
+                int32_t four;                                                                 \
+                memcpy(&four, xq + r * Kp + 16 * g + 4 * j, 4);                               \
+                const __m512i xb = _mm512_set1_epi32(four);                                   \
+                _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                           \
+                    isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], wv[p], xb);                  \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                 \
+            const __m512 d = _mm512_set1_ps(dx[r * (Kp / 32) + g / 2]);                       \
+            const __m512 s = _mm512_set1_ps(xs[r * (Kp / 16) + g]);                           \
+            _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) {                             \
+                const __m512 sc = _mm512_loadu_ps(ws + p * pstride_s + g * PANEL);            \
+                const __m512 of = _mm512_loadu_ps(wo + p * pstride_s + g * PANEL);            \
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][p]),                   \
+                                            _mm512_mul_ps(sc, d), acc[r][p]);                 \
+                acc[r][p] = _mm512_fmadd_ps(of, s, acc[r][p]);                                \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
+        _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                                   \
+            _mm512_storeu_ps(out + r * MAX_P * PANEL + p * PANEL, acc[r][p]);                 \
+}
+
+DEFINE_PTILE(1, 1) DEFINE_PTILE(2, 1) DEFINE_PTILE(3, 1) DEFINE_PTILE(4, 1)
+DEFINE_PTILE(1, 2) DEFINE_PTILE(2, 2) DEFINE_PTILE(3, 2) DEFINE_PTILE(4, 2)
+typedef void (*ptile_fn)(const int8_t*, const float*, const float*, int64_t, const uint32_t*,
+                         const float*, const float*, int64_t, int64_t, float*);
+static const ptile_fn PTILES[MAX_R + 1][MAX_P + 1] = {
+    {0},
+    {0, ptile_1_1, ptile_1_2},
+    {0, ptile_2_1, ptile_2_2},
+    {0, ptile_3_1, ptile_3_2},
+    {0, ptile_4_1, ptile_4_2},
+};
+
+/* Rows [m0, m1) of y for this thread's panels [p_lo, p_hi). */
+static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                          int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N,
+                          int64_t K, int f32) {
+    const int64_t Kp = a->Kp, sq = Kp / 4 * PANEL, ss = panel_groups(Kp) * PANEL;
+    uint8_t* buf = (uint8_t*)thread_scratch((size_t)MAX_P * (sq * 4 + 2 * ss * 4));
+    if (!buf) return -2;
+    uint32_t* qi = (uint32_t*)buf;
+    float* ws = (float*)(qi + MAX_P * sq);
+    float* wo = ws + MAX_P * ss;
+    float out[MAX_R * MAX_P * PANEL] __attribute__((aligned(64)));
+    for (int64_t p = p_lo; p < p_hi; p += MAX_P) {
+        const int P = p_hi - p < MAX_P ? (int)(p_hi - p) : MAX_P;
+        for (int i = 0; i < P; ++i) {
+            const int64_t n0 = (p + i) * PANEL;
+            const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            if (decode_panel(w, n0, cols, K, Kp, qi + i * sq, ws + i * ss, wo + i * ss))
+                return -1;
+        }
+        const int64_t cols = (p + P) * PANEL < N ? P * PANEL : N - p * PANEL;
+        for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
+            const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
+            PTILES[R][P](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), a->xs + r0 * (Kp / 16), Kp,
+                         qi, ws, wo, sq, ss, out);
+            for (int r = 0; r < R; ++r) {
+                const float* o = out + r * MAX_P * PANEL;
+                const int64_t at = (r0 + r) * N + p * PANEL;
+                int64_t c = 0;
+                for (; c + 16 <= cols; c += 16) {
+                    __m512 v = _mm512_load_ps(o + c);
+                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * PANEL + c));
+                    if (f32)
+                        _mm512_storeu_ps((float*)y + at + c, v);
+                    else
+                        _mm256_storeu_si256((__m256i*)((uint16_t*)y + at + c), bf16x16_round(v));
+                }
+                for (; c < cols; ++c)
+                    store_one(y, at + c, o[c] + (bias ? bias[p * PANEL + c] : 0.0f), f32);
+            }
+        }
+    }
+    return 0;
+}
+
+static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                         int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
+    /* Contiguous ranges of whole panels per thread; rows in blocks whose int8 x stays in
+     * ~256 KiB of L2 next to the decoded panels, the panels decoded again per block. */
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t p_lo = panels * tid / nt, p_hi = panels * (tid + 1) / nt;
+    int64_t mb = 262144 / a->Kp;
+    mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t m1 = m0 + mb < M ? m0 + mb : M;
+        const int rc = qlinear_panels(w, a, bias, y, m0, m1, p_lo, p_hi, N, K, f32);
+        if (rc) return rc;
+    }
+    return 0;
+}
+#else
+/* ---- AVX2: decoded columns, row dot products ---------------------------------------------
+ * Blocks of C columns are decoded into a per-thread buffer (q [C][Kp], ws and wo
+ * [C][Kp / 16]) and each row of x is multiplied by them, R rows at a time. Per 32 inputs: the
+ * bytes shifted to signed (q - 128), vpmaddubsw of |q - 128| with x signed by q - 128 (exact:
+ * a pair is at most 2 x 128 x 127 < 2^15), vpmaddwd with ones to 8 int32 lanes of 4 products,
+ * to float32 times the lane's weight scale (groups of 16) and the row's (blocks of 32); the
+ * offsets carry the + 128 (decode_columns' shift), one dot product over the groups at the end. */
 /* The decoded columns of one block: q [C][Kp], ws and wo [C][Kp / 16]; zeros past K. With
  * shift (the AVX2 products use q - 128), wo holds wo + 128 ws: the same sum. */
 static int decode_columns(const kvg_qweight* w, int64_t n0, int C, int64_t K, int64_t Kp,
@@ -389,71 +694,8 @@ static int decode_columns(const kvg_qweight* w, int64_t n0, int C, int64_t K, in
     return 0;
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-/* sum_g wo[g] xs[g] over G groups (a multiple of 4), in one fixed order. */
-static inline float offset_dot(const float* wo, const float* xs, int64_t G) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(wo + g), _mm256_loadu_ps(xs + g), acc);
-    float s = hsum8(acc);
-    for (; g < G; ++g) s += wo[g] * xs[g];
-    return s;
-}
-
-#if defined(KVGATE_AVX512BF16) && defined(__AVX512VNNI__)
-#define QSTEP 64 /* inputs per vpdpbusd over 64 bytes */
-#define MAX_R 4
-#define MAX_C 4
-/* R rows x C decoded columns over Kp inputs: the scaled integer dot products, before offsets.
- * Per 64 inputs: 16 int32 lanes of 4 products (vpdpbusd from zero), to float32, times the
- * lane's weight scale (groups of 16: lanes 4g..4g+3) and the row's (blocks of 32: 8 lanes). */
-#define DEFINE_QTILE(R, C)                                                                     \
-static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const uint8_t* q,  \
-                            const float* ws, float* out) {                                    \
-    const __m512i wi = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);    \
-    const __m512i xi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);    \
-    __m512 acc[R][C];                                                                         \
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();  \
-    for (int64_t k = 0; k < Kp; k += 64) {                                                    \
-        __m512i wv[C];                                                                        \
-        __m512 sv[C];                                                                         \
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                                 \
-            wv[c] = _mm512_loadu_si512(q + c * Kp + k);                                       \
-            sv[c] = _mm512_permutexvar_ps(                                                    \
-                wi, _mm512_castps128_ps512(_mm_loadu_ps(ws + c * (Kp / 16) + k / 16)));       \
-        }                                                                                     \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                 \
-            const __m512i xv = _mm512_loadu_si512(xq + r * Kp + k);                           \
-            const __m512 xs = _mm512_permutexvar_ps(                                          \
-                xi, _mm512_castps128_ps512(_mm_castpd_ps(                                     \
-                        _mm_load_sd((const double*)(dx + r * (Kp / 32) + k / 32)))));         \
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                             \
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], xv);     \
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sv[c], xs),  \
-                                            acc[r][c]);                                       \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)                                   \
-            out[r * MAX_C + c] = _mm512_reduce_add_ps(acc[r][c]);                             \
-}
-#define QSHIFT 0
-#else
-#define QSTEP 32
 #define MAX_R 4
 #define MAX_C 2
-/* AVX2: per 32 inputs, the bytes shifted to signed (q - 128), vpmaddubsw of |q - 128| with x
- * signed by q - 128 (exact: a pair is at most 2 x 128 x 127 < 2^15), vpmaddwd with ones to
- * 8 int32 lanes of 4 products; the offsets carry the + 128 (decode_columns' shift). */
 #define DEFINE_QTILE(R, C)                                                                     \
 static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const uint8_t* q,  \
                             const float* ws, float* out) {                                    \
@@ -489,24 +731,11 @@ static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const
         _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c)                                   \
             out[r * MAX_C + c] = hsum8(acc[r][c]);                                            \
 }
-#define QSHIFT 1
-#endif
 
 typedef void (*qtile_fn)(const int8_t*, const float*, int64_t, const uint8_t*, const float*,
                          float*);
 DEFINE_QTILE(1, 1) DEFINE_QTILE(2, 1) DEFINE_QTILE(3, 1) DEFINE_QTILE(4, 1)
 DEFINE_QTILE(1, 2) DEFINE_QTILE(2, 2) DEFINE_QTILE(3, 2) DEFINE_QTILE(4, 2)
-#if MAX_C == 4
-DEFINE_QTILE(1, 3) DEFINE_QTILE(2, 3) DEFINE_QTILE(3, 3) DEFINE_QTILE(4, 3)
-DEFINE_QTILE(1, 4) DEFINE_QTILE(2, 4) DEFINE_QTILE(3, 4) DEFINE_QTILE(4, 4)
-static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
-    {0},
-    {0, qtile_1_1, qtile_1_2, qtile_1_3, qtile_1_4},
-    {0, qtile_2_1, qtile_2_2, qtile_2_3, qtile_2_4},
-    {0, qtile_3_1, qtile_3_2, qtile_3_3, qtile_3_4},
-    {0, qtile_4_1, qtile_4_2, qtile_4_3, qtile_4_4},
-};
-#else
 static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
     {0},
     {0, qtile_1_1, qtile_1_2},
@@ -514,21 +743,46 @@ static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
     {0, qtile_3_1, qtile_3_2},
     {0, qtile_4_1, qtile_4_2},
 };
-#endif
 
-/* The calling thread's scratch of at least n bytes, kept for its next calls (the engine's
- * threads live as long as it does). NULL if it cannot grow. */
-static void* thread_scratch(size_t n) {
-    static __thread void* buf;
-    static __thread size_t cap;
-    if (n > cap) {
-        void* grown = realloc(buf, n);
-        if (!grown) return NULL;
-        buf = grown;
-        cap = n;
+static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                         int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
+    const int64_t Kp = a->Kp;
+    /* Contiguous ranges of whole column blocks per thread; rows in blocks whose int8 x stays
+     * in ~256 KiB of L2, the columns decoded again per block. */
+    const int64_t blocks = (N + MAX_C - 1) / MAX_C;
+    const int64_t n_lo = blocks * tid / nt * MAX_C;
+    int64_t n_hi = blocks * (tid + 1) / nt * MAX_C;
+    n_hi = n_hi < N ? n_hi : N;
+    const size_t qbytes = (size_t)MAX_C * Kp, sbytes = (size_t)MAX_C * (Kp / 16) * 4;
+    uint8_t* q = (uint8_t*)thread_scratch(qbytes + 2 * sbytes);
+    if (!q) return n_lo < n_hi ? -2 : 0;
+    float* ws = (float*)(q + qbytes);
+    float* wo = (float*)(q + qbytes + sbytes);
+    int64_t mb = 262144 / Kp;
+    mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
+    float out[MAX_R * MAX_C];
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t m1 = m0 + mb < M ? m0 + mb : M;
+        for (int64_t n0 = n_lo; n0 < n_hi; n0 += MAX_C) {
+            const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
+            if (decode_columns(w, n0, C, K, Kp, q, ws, wo, 1)) return -1;
+            for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
+                const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
+                QTILES[R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
+                for (int r = 0; r < R; ++r)
+                    for (int c = 0; c < C; ++c) {
+                        const float v = out[r * MAX_C + c] +
+                                        offset_dot(wo + c * (Kp / 16), a->xs + (r0 + r) * (Kp / 16),
+                                                   Kp / 16);
+                        store_one(y, (r0 + r) * N + n0 + c, v + (bias ? bias[n0 + c] : 0.0f),
+                                  f32);
+                    }
+            }
+        }
     }
-    return buf;
+    return 0;
 }
+#endif
 
 /* y [M, N] = x [M, K] W^T + bias. x bf16 (io_bf16) or float32; bias float32 [N] or NULL; y
  * float32 (out_f32) or as x. The signature is linear_avx2's (csrc/linear.c), so the fused
@@ -553,10 +807,8 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     for (int m = 0; m < M; ++m)
         quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
                    xs + (int64_t)m * (Kp / 16));
-    /* Rows per block: their int8 x in ~256 KiB, whole tiles. */
-    int64_t mb = 262144 / Kp;
-    mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
-    const float* b32 = (const float*)bias;
+    const qacts acts = {xq, dx, xs, Kp};
+    const int f32 = out_f32 || !io_bf16;
     int failed = 0;
     #pragma omp parallel
     {
@@ -565,57 +817,16 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
         nt = omp_get_num_threads();
         tid = omp_get_thread_num();
 #endif
-        /* Contiguous ranges of whole column blocks per thread. */
-        const int64_t blocks = ((int64_t)N + MAX_C - 1) / MAX_C;
-        const int64_t n_lo = blocks * tid / nt * MAX_C;
-        int64_t n_hi = blocks * (tid + 1) / nt * MAX_C;
-        n_hi = n_hi < N ? n_hi : N;
-        const size_t qbytes = (size_t)MAX_C * Kp, sbytes = (size_t)MAX_C * (Kp / 16) * 4;
-        uint8_t* q = (uint8_t*)thread_scratch(qbytes + 2 * sbytes);
-        if (!q && n_lo < n_hi) {
+        const int rc = qlinear_range(w, &acts, (const float*)bias, y, M, N, K, f32, tid, nt);
+        if (rc) {
             #pragma omp atomic write
-            failed = 1;
-        }
-        float* ws = q ? (float*)(q + qbytes) : NULL;
-        float* wo = q ? (float*)(q + qbytes + sbytes) : NULL;
-        float out[MAX_R * MAX_C];
-        for (int64_t m0 = 0; q && m0 < M; m0 += mb) {
-            const int64_t m1 = m0 + mb < M ? m0 + mb : M;
-            for (int64_t n0 = n_lo; n0 < n_hi; n0 += MAX_C) {
-                const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
-                if (decode_columns(w, n0, C, K, Kp, q, ws, wo, QSHIFT)) {
-                    #pragma omp atomic write
-                    failed = 1;
-                    break;
-                }
-                for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
-                    const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
-                    QTILES[R][C](xq + r0 * Kp, dx + r0 * (Kp / 32), Kp, q, ws, out);
-                    for (int r = 0; r < R; ++r) {
-                        for (int c = 0; c < C; ++c) {
-                            float v = out[r * MAX_C + c] +
-                                      offset_dot(wo + c * (Kp / 16), xs + (r0 + r) * (Kp / 16),
-                                                 Kp / 16);
-                            if (b32) v += b32[n0 + c];
-                            const int64_t at = (r0 + r) * (int64_t)N + n0 + c;
-                            if (out_f32 || !io_bf16) {
-                                ((float*)y)[at] = v;
-                            } else {
-                                /* round once to bf16, nearest even (as torch) */
-                                const __m256 vv = _mm256_set1_ps(v);
-                                ((uint16_t*)y)[at] =
-                                    (uint16_t)_mm256_cvtsi256_si32(bf16x8_round_bits(vv));
-                            }
-                        }
-                    }
-                }
-            }
+            failed = rc;
         }
     }
     free(xq);
     free(dx);
     free(xs);
-    return failed ? -2 : 0;
+    return failed;
 }
 #else
 int kvg_qdequant_rows(const kvg_qweight* w, const int64_t* rows, int count, int64_t N,
