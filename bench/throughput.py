@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -35,9 +36,12 @@ CACHE = Path.home() / ".cache" / "kvgate" / "bench"
 
 
 def export_for_peers(dtype: str, model: str = DEFAULT_MODEL) -> Path:
-    """A model (dequantized from its packaged GGUF) as an HF directory, cached outside the
-    repo."""
-    target = CACHE / f"{model}-hf-{dtype}"
+    """A model (an alias, or a GGUF path: dequantized from that GGUF) as an HF directory, cached
+    outside the repo (a path by its file name)."""
+    name = str(model)
+    if os.sep in name:
+        name = Path(name).name.removesuffix(".gguf")
+    target = CACHE / f"{name}-hf-{dtype}"
     if not (target / "model.safetensors").exists():
         save_hf_checkpoint(load_checkpoint(model), target, getattr(torch, dtype))
     return target
