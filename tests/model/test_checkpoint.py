@@ -461,24 +461,6 @@ def test_a_gguf_of_an_unknown_architecture_is_refused_naming_it(tmp_path: Path) 
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "F32"])
-def test_dequantize_fast_paths_equal_gguf_py(qtype: str) -> None:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    from kvgate.model.quant_tensor import dequantize_blocks
-
-    kind = GGMLQuantizationType[qtype]
-    rng = np.random.default_rng(0)
-    values = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
-    packed = quantize(values, kind)
-    raw = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
-    got = dequantize_blocks(raw, kind, values.shape)
-    expected = dequantize(packed, kind)
-    assert got.dtype == np.float32 and got.flags.writeable
-    np.testing.assert_array_equal(got, expected)
-
-
 # --------------------------------------------------------------------------------- errors
 
 

@@ -1,0 +1,362 @@
+"""The block-format kernels (``csrc/qlinear.c`` through ``quant_linear.py``) against exact
+arithmetic, under every vector path this CPU can run: the product of the dequantized weights
+with x quantized per 32 inputs as the kernel does, batch invariance, odd shapes, layers of
+several parts, embedding rows, refusals, and the factory's pick."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kvgate.model.cpu_kernels import KernelLibrary, load_quant_lib
+from kvgate.model.linear import BF16_DOT_ISAS, LinearFactory, LogitsHead, _log_fallback
+from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, native_qtype
+from kvgate.model.quant_tensor import QuantTensor
+from tests.model.isa import vector_levels
+from tests.model.quant_blocks import QTYPES, quantize_activations, random_quant
+
+CPU = torch.device("cpu")
+Q = GGMLQuantizationType
+#: Every vector level this CPU runs (an AVX2-only machine: avx2 alone); ``generic`` has none.
+LEVELS = [lv for lv in vector_levels() if lv != "generic"]
+levels = pytest.mark.parametrize("level", LEVELS)
+qtypes = pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+IO_DTYPES = pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16], ids=str)
+
+#: The kernels' float32 error against the exactly quantized product (float64). The integer
+#: dot products are exact; what is left is float32 rounding (u = 2^-24) of the ~K/16 scaled
+#: group sums and K/16 offset terms, and those terms are larger than the products x_k w_k they
+#: stand for: every weight is split as w = ws q + wo (q up to 255; wo = -8 d, -128 d,
+#: -dmin m, ...), so |ws q| + |wo| is ~4 |w| on average for the 4-bit types, and AVX2, which
+#: multiplies q - 128 and moves + 128 ws into the offsets, inflates them ~16x more (not Q8_0,
+#: whose q - 128 is its own int8). Hence, per output, relative to S = sum_k |x^_k w_k| (not to
+#: |y|, which can be near zero while its terms are not): a few u x the inflation; measured at
+#: most 4.3e-7 (VNNI) and 1.1e-5 (AVX2, Q4_0) over all eight types, K 32..2048, x of scale
+#: 0.01..100 with outliers and zero blocks. Bounds: ~7x that.
+VNNI_TERM_BOUND = 3e-6
+AVX2_TERM_BOUND = 8e-5
+#: The same as max |y - ref| / max |ref| over a layer of 37 outputs x 7 rows (max |ref| is
+#: then ~ S / sqrt(K) x a few): measured at most 1.4e-6 (VNNI) and 1.6e-5 (AVX2). Bounds: ~6x.
+VNNI_BOUND = 8e-6
+AVX2_BOUND = 1.2e-4
+
+
+def _library(level: str) -> KernelLibrary:
+    lib = load_quant_lib(level)
+    if lib is None:
+        pytest.skip(f"no block-format kernels for {level} (no C compiler)")
+    return lib
+
+
+def _vnni(lib: KernelLibrary) -> bool:
+    return lib.isa in BF16_DOT_ISAS
+
+
+def _bound(lib: KernelLibrary) -> float:
+    return VNNI_BOUND if _vnni(lib) else AVX2_BOUND
+
+
+def _slack(lib: KernelLibrary, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: the most each float32 output may be off the exact product of the quantized
+    x (``xq``, float64) and the dequantized weights ``w`` (float64 [N, K])."""
+    return (VNNI_TERM_BOUND if _vnni(lib) else AVX2_TERM_BOUND) * (xq.abs() @ w.abs().T)
+
+
+def _assert_near(lib: KernelLibrary, y: torch.Tensor, xq: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    ref = xq @ w.T + (bias.double() if bias is not None else 0.0)
+    err = (y.double() - ref).abs()
+    bound = _slack(lib, xq, w)
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+def _inputs(m: int, k: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale
+    x[0, :5] *= 30  # outliers: one block's scale far from the others'
+    return x
+
+
+def _k_values(qtype: GGMLQuantizationType) -> list[int]:
+    """Inputs per row: blocks of 256 for K-quants; for the 32-input types, K % 64 == 32
+    (a 32-input tail after the last whole 64: the VNNI step) and a single block."""
+    return [256, 768] if qtype.name.endswith("_K") else [32, 96, 800]
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@levels
+@qtypes
+@IO_DTYPES
+def test_equals_the_exactly_quantized_product(
+    level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
+) -> None:
+    """float32 sums within the rounding bound of (x quantized per 32 as the kernel does) @
+    (the dequantized weights)^T in float64; io-dtype outputs are those sums rounded once."""
+    lib = _library(level)
+    for k in _k_values(qtype):
+        w = random_quant(qtype, 37, k, seed=k + int(qtype))
+        wd = w.dequantize().double()
+        x = _inputs(7, k, seed=k).to(io_dtype)
+        xq = quantize_activations(x.float())
+        ref = xq @ wd.T
+        sums = QuantLinear([w], None, lib, io_dtype=io_dtype, float32_out=True)(x)
+        assert sums.dtype == torch.float32 and sums.shape == (7, 37)
+        assert _rel_err(sums, ref) < _bound(lib), (k, _rel_err(sums, ref))
+        _assert_near(lib, sums, xq, wd)
+
+        out = QuantLinear([w], None, lib, io_dtype=io_dtype)(x)
+        assert out.dtype == io_dtype
+        # the same float32 sum, rounded once to nearest even (as torch rounds)
+        assert torch.equal(out, sums.to(io_dtype))
+        if io_dtype == torch.bfloat16:  # within one bf16 rounding of the reference
+            slack = _slack(lib, xq, wd)
+            assert ((out.double() - ref).abs() <= ref.abs() * 2.0**-8 + slack).all()
+
+
+@levels
+@qtypes
+@IO_DTYPES
+def test_int8_activations_stay_within_their_rounding(
+    level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
+) -> None:
+    """Against plain x @ W^T (x not quantized): each input moves by at most half its block's
+    step dx = max |x| / 127 when rounded to int8, so |y - x W^T| <= sum_k |w_k| dx_k / 2 for
+    each output (plus the float32 rounding above): a bound per output, not a guess. It comes
+    to a few percent of max |y| (measured up to 2.7% with outliers in x)."""
+    lib = _library(level)
+    k = 768
+    w = random_quant(qtype, 37, k, seed=int(qtype))
+    wd = w.dequantize().double()
+    x = _inputs(9, k, seed=11).to(io_dtype)
+    xf = x.double()
+    y = QuantLinear([w], None, lib, io_dtype=io_dtype, float32_out=True)(x).double()
+    plain = xf @ wd.T
+    step = (x.float().abs().reshape(9, k // 32, 32).amax(-1) / 127).double()  # dx per block
+    half_steps = step.repeat_interleave(32, dim=1) / 2 * (1 + 1e-3)  # [M, K]
+    bound = half_steps @ wd.abs().T + _slack(lib, quantize_activations(x.float()), wd)
+    assert ((y - plain).abs() <= bound).all()
+    assert _rel_err(y, plain) < 0.05
+
+
+@levels
+@qtypes
+@IO_DTYPES
+def test_a_row_gets_the_same_output_in_any_batch(
+    level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
+) -> None:
+    """K = 8192: the kernel takes rows in blocks of 262144 / K = 32 (their int8 x in L2), so
+    a batch of 40 spans two row blocks and a partial tile; every row's output is bit-identical
+    alone, in batches of 1..9 starting anywhere, and in the batch of 40."""
+    lib = _library(level)
+    k, m = 8192, 40
+    assert 262144 // k < m
+    lin = QuantLinear([random_quant(qtype, 37, k, seed=3)], None, lib, io_dtype=io_dtype)
+    x = _inputs(m, k, seed=5).to(io_dtype)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(m)])
+    assert torch.equal(lin(x), alone)
+    for size in range(1, 10):
+        for start in (0, 3, m - size):
+            assert torch.equal(lin(x[start : start + size]), alone[start : start + size])
+    assert torch.equal(lin(x[0:0]), torch.empty(0, 37, dtype=io_dtype))
+
+
+@levels
+@qtypes
+def test_column_counts_off_the_tile_and_input_tails(
+    level: str, qtype: GGMLQuantizationType
+) -> None:
+    """N = 1, 3, 5, 16, 17 and 37 (AVX2 tiles of 2 columns, VNNI panels of 16, two at a
+    time: partial panels, one whole, a whole and a partial one), 1..5 rows (every tile
+    height): each column is the one the 37-column layer computes, within the bound of the
+    exact product; K with a 32-input tail for the 32-input types."""
+    lib = _library(level)
+    k = _k_values(qtype)[-1]
+    w = random_quant(qtype, 37, k, seed=int(qtype) + 1)
+    wd = w.dequantize().double()
+    x = _inputs(5, k, seed=2).bfloat16()
+    full = QuantLinear([w], None, lib, io_dtype=torch.bfloat16, float32_out=True)(x)
+    for n in (1, 3, 5, 16, 17, 37):
+        lin = QuantLinear([w.take_rows(torch.arange(n))], None, lib, io_dtype=torch.bfloat16,
+                          float32_out=True)  # fmt: skip
+        for m in range(1, 6):
+            y = lin(x[:m])
+            assert y.shape == (m, n)
+            assert torch.equal(y, full[:m, :n])
+            _assert_near(lib, y, quantize_activations(x[:m].float()), wd[:n])
+
+
+@levels
+@pytest.mark.parametrize(
+    ("types", "k"),
+    [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 512), ((Q.Q8_0, Q.Q4_0, Q.Q5_1), 96)],
+    ids=["q4k-q4k-q6k", "q8_0-q4_0-q5_1"],
+)
+def test_a_layer_of_parts_in_different_types_equals_their_concatenation(
+    level: str, types: tuple[GGMLQuantizationType, ...], k: int
+) -> None:
+    """q, k and v (a Q4_K_M file keeps some in Q6_K) as one layer over the three tensors'
+    own blocks, with a bias: bit-identical to each part alone, concatenated."""
+    lib = _library(level)
+    parts = [random_quant(t, n, k, seed=i, name=f"p{i}") for i, (t, n) in
+             enumerate(zip(types, (24, 8, 13), strict=True))]  # fmt: skip
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(1))
+    x = _inputs(6, k, seed=4).bfloat16()
+    for out32 in (True, False):
+        fused = QuantLinear(parts, bias, lib, io_dtype=torch.bfloat16, float32_out=out32)
+        assert fused.out_features == 45 and fused.in_features == k
+        assert fused.qtypes == tuple(t.name for t in types)
+        assert fused.weight_bytes() == sum(p.nbytes() for p in parts) + 45 * 4
+        got = fused(x)
+        offsets = (0, 24, 32, 45)
+        each = [
+            QuantLinear([p], bias[a:b], lib, io_dtype=torch.bfloat16, float32_out=out32)(x)
+            for p, a, b in zip(parts, offsets, offsets[1:], strict=False)
+        ]
+        assert torch.equal(got, torch.cat(each, dim=1))
+        if out32:  # the bias is added to the float32 sum, as torch adds it
+            plain = [QuantLinear([p], None, lib, io_dtype=torch.bfloat16, float32_out=True)(x)
+                     for p in parts]  # fmt: skip
+            assert torch.equal(got, torch.cat(plain, dim=1) + bias)
+            wd = torch.cat([p.dequantize() for p in parts]).double()
+            _assert_near(lib, got, quantize_activations(x.float()), wd, bias)
+
+
+@levels
+@qtypes
+def test_embedding_rows_equal_the_dequantized_table(
+    level: str, qtype: GGMLQuantizationType
+) -> None:
+    lib = _library(level)
+    table = random_quant(qtype, 50, 512, seed=int(qtype), name="token_embd.weight")
+    values = table.dequantize()
+    ids = torch.tensor([0, 49, 7, 7, 23, 1])
+    emb = QuantEmbedding(table, lib, torch.float32)
+    assert (emb.num_embeddings, emb.embedding_dim, emb.element_size()) == (50, 512, 4)
+    assert torch.equal(emb(ids), values[ids])
+    assert torch.equal(emb(torch.arange(50, dtype=torch.int32)), values)  # every row, int32
+    bf16 = QuantEmbedding(table, lib, torch.bfloat16)
+    rows = bf16(ids)
+    assert rows.dtype == torch.bfloat16 and bf16.element_size() == 2
+    assert torch.equal(rows, values[ids].bfloat16())  # rounded as torch rounds
+    assert emb(torch.empty(0, dtype=torch.int64)).shape == (0, 512)
+    for bad in ([50], [3, -1], [2**40]):
+        with pytest.raises(IndexError, match=r"out of range 0\.\.49"):
+            emb(torch.tensor(bad))
+
+
+def _forged(qtype: GGMLQuantizationType, shape: tuple[int, int], data: torch.Tensor) -> QuantTensor:
+    """A QuantTensor whose bytes do not fit its shape (``__post_init__`` refuses these):
+    what the C side must refuse by itself."""
+    t = object.__new__(QuantTensor)
+    for field, value in (("qtype", qtype), ("shape", shape), ("data", data), ("name", "bad")):
+        object.__setattr__(t, field, value)
+    return t
+
+
+@levels
+def test_inconsistent_weights_are_refused_not_crashed_on(level: str) -> None:
+    lib = _library(level)
+    x = torch.randn(3, 64)
+
+    def call(parts: list[QuantTensor]) -> None:
+        QuantLinear(parts, None, lib, io_dtype=torch.float32)(x[:, : parts[0].shape[1]])
+
+    good = random_quant(Q.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match=r"refused"):  # K = 48: not a multiple of 32
+        call([_forged(Q.Q8_0, (4, 48), torch.zeros(4, 51, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match=r"refused"):  # rows of 67 bytes for 2 blocks of 34
+        call([_forged(Q.Q8_0, (4, 64), torch.zeros(4, 67, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match=r"refused"):  # K = 64 in blocks of 256
+        call([_forged(Q.Q4_K, (4, 64), torch.zeros(4, 36, dtype=torch.uint8))])
+    q2k = QuantTensor(Q.Q2_K, (2, 256), torch.zeros(2, 84, dtype=torch.uint8), "q2k")
+    assert not native_qtype(lib, q2k) and native_qtype(lib, good)
+    with pytest.raises(ValueError, match=r"refused"):  # a type the library does not know
+        call([q2k])
+    with pytest.raises(ValueError, match=r"inputs"):  # parts of different K
+        QuantLinear([good, random_quant(Q.Q8_0, 2, 96)], None, lib, io_dtype=torch.float32)
+
+    lin = QuantLinear([good], None, lib, io_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"float32 activations"):
+        lin(x.bfloat16())
+    # N that the segments' rows do not add up to, K that is not the weight's: refused in C
+    y = torch.empty(3, 5)
+    for n, k in ((5, 64), (3, 64), (4, 32), (4, 48), (4, 0), (0, 64)):
+        rc = lin._fn(x.data_ptr(), lin._weight, None, None, y.data_ptr(), 3, n, k, 1, 0)
+        assert rc == -1, (n, k)
+    assert lin._fn(x.data_ptr(), lin._weight, None, None, y.data_ptr(), 0, 4, 64, 1, 0) == -1
+    assert lin._fn(x.data_ptr(), lin._weight, None, None, y.data_ptr(), 3, 4, 64, 1, 0) == 0
+
+    emb = QuantEmbedding(good, lib, torch.float32)
+    ids = torch.tensor([0, 1])
+    out = torch.empty(2, 64)
+    # a table the row count does not match: refused, not read past
+    rc = emb._fn(emb._weight, ids.data_ptr(), 2, 5, out.data_ptr(), 0)
+    assert rc == -1
+    assert emb._fn(emb._weight, ids.data_ptr(), 2, 4, out.data_ptr(), 0) == 0
+
+
+def _q2_k(rows: int, k: int) -> QuantTensor:
+    """Random Q2_K blocks (84 B per 256 inputs: scales, 2-bit values, f16 d and dmin at
+    80 and 82): a type with no native kernel."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows * k // 256, 84), dtype=np.uint8)
+    raw[:, 80:84] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    return QuantTensor(Q.Q2_K, (rows, k), torch.from_numpy(raw.reshape(rows, -1)), "q2k")
+
+
+@levels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_factory_keeps_native_blocks_and_dequantizes_the_rest(
+    level: str, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    lib = _library(level)
+    parts = [random_quant(Q.Q4_K, 16, 256, seed=1), random_quant(Q.Q6_K, 8, 256, seed=2)]
+    bias = torch.randn(24)
+    x = _inputs(5, 256, seed=8).to(dtype)
+
+    native = LinearFactory.for_device(dtype, CPU, None, quant=lib)
+    layer = native.fused(parts, bias)
+    assert isinstance(layer, QuantLinear) and layer.io_dtype == dtype
+    assert torch.equal(layer(x), QuantLinear(parts, bias, lib, io_dtype=dtype)(x))
+    assert isinstance(native(parts[0], None), QuantLinear)  # a single tensor, by __call__
+    assert native.native_qtypes == {"Q4_K", "Q6_K"}
+    assert native.path == f"Q4_K+Q6_K-{'avx512vnni' if lib.isa in BF16_DOT_ISAS else 'avx2'}"
+    assert isinstance(native.embedding(parts[0]), QuantEmbedding)
+    head = native.logits(parts[0])
+    assert isinstance(head, LogitsHead) and head.float32_sums
+    assert isinstance(head.layer, QuantLinear) and head.layer.float32_out
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 16)
+    assert torch.equal(logits, QuantLinear(parts[:1], None, lib, io_dtype=dtype,
+                                           float32_out=True)(x))  # fmt: skip
+
+    # quant=None: the blocks dequantized, the layer a float one over those weights
+    dense = LinearFactory.for_device(dtype, CPU, None, quant=None)
+    fallback = dense.fused(parts, bias)
+    assert not isinstance(fallback, QuantLinear) and not dense.native_qtypes
+    weights = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(fallback(x), dense(weights, bias)(x))
+    # (in bf16 the dense layer's weights are the dequantized values rounded to bf16)
+    exact = x.double() @ weights.to(dtype).double().T + bias.to(dtype).double()
+    torch.testing.assert_close(fallback(x).double(), exact, rtol=2**-7, atol=1e-2)
+    table = dense.embedding(parts[0])
+    assert torch.equal(table(torch.tensor([3, 0])), parts[0].dequantize()[[3, 0]].to(dtype))
+    assert not isinstance(dense.logits(parts[0]).layer, QuantLinear)
+
+    # a type without a native kernel in a native factory: dequantized, logged once per type
+    _log_fallback.cache_clear()
+    q2k = _q2_k(8, 256)
+    with caplog.at_level(logging.WARNING, logger="kvgate.model.linear"):
+        mixed = native.fused([parts[0], q2k], None)
+        native.fused([q2k], None)
+    assert not isinstance(mixed, QuantLinear)
+    warnings = [r for r in caplog.records if "Q2_K" in r.getMessage()]
+    assert len(warnings) == 1 and "dequantized at load" in warnings[0].getMessage()
+    both = torch.cat([parts[0].dequantize(), q2k.dequantize()])
+    assert torch.equal(mixed(x), native(both, None)(x))
