@@ -408,7 +408,8 @@ class LinearFactory:
     def _dense(self, weight: Weight) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return weight
-        _log_fallback(weight.qtype.name, self.quant_isa)
+        if not native_qtype(self.quant, weight):  # not a native part of a mixed layer
+            _log_fallback(weight.qtype.name, self.quant_isa)
         return weight.dequantize()
 
     def fused(self, parts: Sequence[Weight], bias: torch.Tensor | None) -> Linear:
