@@ -11,6 +11,8 @@ from kvgate.errors import InvalidConfig
 DEFAULT_MODEL = "smollm2"
 _DTYPES = ("auto", "bfloat16", "float32", "float16")
 _QUANTIZATIONS = (None, "int8", "int8-b32")
+#: A GGUF's block-quantized matrices under dtype auto (``EngineConfig.gguf_blocks``).
+GGUF_BLOCKS = ("auto", "native", "dequantize")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -80,6 +82,12 @@ class EngineConfig:
     #: channel scales (half the bytes of bf16 per decoded token); ``"int8-b32"``: int8 with a
     #: scale per block of 32 inputs, as llama.cpp's Q8_0 (``model/linear.py``).
     quantization: str | None = None
+    #: A GGUF's block-quantized matrices (Q4_K, Q6_K, Q8_0, ...): ``auto`` keeps them in
+    #: their blocks (native kernels, ``model/quant_linear.py``) under ``dtype auto`` where the
+    #: model is large enough to gain (``model/precision.py``) and dequantizes them otherwise;
+    #: ``native`` always keeps them (activations in ``dtype``); ``dequantize`` never.
+    #: ``quantization`` always dequantizes them first.
+    gguf_blocks: str = "auto"
     device: str = "cpu"
     kv_cache_memory: str | float = "1GiB"
     block_size: int = 16
@@ -100,6 +108,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise InvalidConfig(
                 f"dtype must be one of {_DTYPES}, got {self.dtype!r}", param="dtype"
+            )
+        if self.gguf_blocks not in GGUF_BLOCKS:
+            raise InvalidConfig(
+                f"gguf_blocks must be one of {GGUF_BLOCKS}, got {self.gguf_blocks!r}",
+                param="gguf_blocks",
             )
         if self.quantization not in _QUANTIZATIONS:
             raise InvalidConfig(

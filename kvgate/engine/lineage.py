@@ -26,7 +26,7 @@ import kvgate
 #: Engine settings that are part of a version (others, e.g. threads or queue length, are
 #: how it is run, not what it is).
 VERSIONED_SETTINGS = (
-    "dtype", "quantization", "max_model_len", "block_size", "native_kernels",
+    "dtype", "quantization", "gguf_blocks", "max_model_len", "block_size", "native_kernels",
 )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.kv_layout import KVLayout
 from kvgate.model.models import model_class
-from kvgate.model.precision import resolve_dtype, upcast_attention
+from kvgate.model.precision import dequantized, native_blocks, resolve_dtype, upcast_attention
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
 from kvgate.tokenizer import Tokenizer
@@ -88,10 +88,18 @@ class LLMEngine:
         log.info("loading weights of %r", config.model)
         # dtype auto: a GGUF's block-quantized matrices stay in their blocks where the native
         # block kernels are built (quant_linear.py); a named dtype dequantizes them.
+        blocks = config.gguf_blocks
         keep_quantized = (
-            config.dtype == "auto" and config.quantization is None and kernels.quant is not None
+            config.quantization is None
+            and kernels.quant is not None
+            and (blocks == "native" or (blocks == "auto" and config.dtype == "auto"))
         )
         checkpoint = load_checkpoint(config.model, keep_quantized=keep_quantized)
+        if keep_quantized and blocks == "auto":
+            native, why_blocks = native_blocks(checkpoint.weights)
+            log.info("weights: %s", why_blocks)
+            if not native:
+                checkpoint.weights = dequantized(checkpoint.weights)
         log.info(
             "weights read from %s in %.1f s; building the %s model (%s; %d layers)",
             checkpoint.path,

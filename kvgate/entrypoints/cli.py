@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvgate.config import DEFAULT_MODEL, EngineConfig
+from kvgate.config import DEFAULT_MODEL, GGUF_BLOCKS, EngineConfig
 from kvgate.entrypoints.serve import ModelToServe, add_server_args
 from kvgate.errors import KVGateError
 from kvgate.model import cpu_isa
@@ -46,6 +46,14 @@ def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) ->
         choices=["int8", "int8-b32"],
         help="weight-only int8 linear layers, half of bf16's bytes per token: int8 with a "
         "scale per output channel, int8-b32 with one per block of 32 inputs (as Q8_0)",
+    )
+    g.add_argument(
+        "--gguf-blocks",
+        default="auto",
+        choices=list(GGUF_BLOCKS),
+        help="a GGUF's quantized matrices: auto (default) multiplies them in their blocks "
+        "natively with --dtype auto where the model is large enough to gain (>= 1 GiB in "
+        "bf16), native always, dequantize never",
     )
     g.add_argument(
         "--kv-cache-memory",
@@ -93,6 +101,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         model=model,
         dtype=a.dtype,
         quantization=a.quantization,
+        gguf_blocks=a.gguf_blocks,
         kv_cache_memory=kv,
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,

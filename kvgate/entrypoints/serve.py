@@ -256,8 +256,9 @@ class ModelToServe:
 
 #: Engine settings a ``models`` entry of the config file may set for its model alone.
 _PER_MODEL = frozenset({
-    "dtype", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "num_spare_seqs", "block_size", "enable_prefix_caching", "native_kernels",
+    "dtype", "quantization", "gguf_blocks", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "num_spare_seqs", "block_size", "enable_prefix_caching",
+    "native_kernels",
 })  # fmt: skip
 
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-import kvgate.engine.llm_engine as llm_engine
 import kvgate.model.gguf_loader as gguf_loader
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
@@ -345,17 +344,10 @@ def _engine(path: Path, **kwargs: Any) -> LLM:
     return LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, **kwargs)
 
 
-def _kept_in_float32(path: Path, monkeypatch: pytest.MonkeyPatch) -> LLM:
-    """An engine over the GGUF's blocks kept as they are, with float32 activations (the
-    engine keeps them only for dtype auto, bf16 on a CPU with a native bf16 linear): the
-    block kernels' arithmetic without bf16 rounding around it."""
-    with monkeypatch.context() as m:
-        m.setattr(
-            llm_engine,
-            "load_checkpoint",
-            lambda model, keep_quantized=False: load_checkpoint(model, keep_quantized=True),
-        )
-        return _engine(path, dtype="float32")
+def _kept_in_float32(path: Path) -> LLM:
+    """An engine over the GGUF's blocks kept as they are (``gguf_blocks="native"``), with
+    float32 activations: the block kernels' arithmetic without bf16 rounding around it."""
+    return _engine(path, dtype="float32", gguf_blocks="native")
 
 
 def _int8_inputs(self: TorchLinear, x: torch.Tensor) -> torch.Tensor:
@@ -415,7 +407,7 @@ def test_a_block_quantized_model_runs_natively_as_its_dequantized_self(
     Against the plain float32 model the logits move by the int8 rounding itself (a few
     percent on these models; the dtype-auto test below)."""
     path = _model(tmp_path, name)
-    native = _kept_in_float32(path, monkeypatch)
+    native = _kept_in_float32(path)
     model = native.engine.model
     assert isinstance(model.embed, QuantEmbedding)
     assert isinstance(model.lm_head.layer, QuantLinear) and model.lm_head.float32_sums
@@ -473,7 +465,8 @@ def test_dtype_auto_keeps_the_blocks_and_stays_near_float32(name: str, tmp_path:
     2-4.8% of the largest logit, the argmax kept at 93-100% of prompt positions (4 seeds x
     the 5 models, both paths); bounds 10% and 85%."""
     path = _model(tmp_path, name)
-    auto = _engine(path)
+    # tiny models are below the size where auto keeps blocks (test_precision.py): asked for
+    auto = _engine(path, gguf_blocks="native")
     assert auto.engine.config.dtype == "auto"
     qtype = MODELS[name][1]["attn_q.weight"].name
     assert auto.engine.build_info["linear"].startswith(f"{qtype}-")
