@@ -4,18 +4,16 @@ bf16 (reported)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvgate import SamplingParams
 from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.entrypoints.llm import LLM
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
+from tests.e2e.perplexity import perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -23,28 +21,6 @@ pytestmark = pytest.mark.slow
 #: public English text of ~2,300 SmolLM2 tokens.
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
 WINDOW = 768  # tokens per forward pass; each window starts fresh
-
-
-def perplexity(engine: LLMEngine, ids: list[int]) -> float:
-    """exp(mean NLL) of every token after the first of each window, one prefill per window."""
-    model, (caches, bs) = engine.model, (engine.runner.kv_caches, engine.config.block_size)
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, WINDOW):
-        window = torch.tensor(ids[start : start + WINDOW])
-        n = len(window)
-        blocks = torch.arange(-(-n // bs))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            num_decodes=0,
-            decode_blocks=torch.empty(0, dtype=torch.long),
-            decode_lens=torch.empty(0, dtype=torch.long),
-            prefills=(PrefillSlice(0, n, 0, blocks),),
-        )
-        hidden = model.forward(window, torch.arange(n), caches, meta)
-        logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1)
-        nll -= logprobs.gather(1, window[1:, None]).sum().item()
-        count += n - 1
-    return math.exp(nll / count)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +44,7 @@ def _engine(path: Path, quantization: str | None) -> LLMEngine:
 @pytest.fixture(scope="module")
 def bf16_perplexity(smollm2_gguf_path: Path, text_ids: list[int]) -> float:
     assert len(text_ids) > 2000
-    ppl = perplexity(_engine(smollm2_gguf_path, None), text_ids)
+    ppl = perplexity(_engine(smollm2_gguf_path, None), text_ids, WINDOW)
     assert 2 < ppl < 30  # the model reads English: a broken forward pass would be ~50,000
     return ppl
 
@@ -85,7 +61,7 @@ def test_int8_perplexity_close_to_bf16(
 ) -> None:
     engine = _engine(smollm2_gguf_path, quantization)
     assert engine.build_info["linear"].startswith(f"{quantization}-")
-    ppl = perplexity(engine, text_ids)
+    ppl = perplexity(engine, text_ids, WINDOW)
     change = ppl / bf16_perplexity - 1
     print(f"\nperplexity on {len(text_ids)} tokens: bf16 {bf16_perplexity:.3f}, "
           f"{quantization} {ppl:.3f} ({change * 100:+.2f}%)")  # fmt: skip

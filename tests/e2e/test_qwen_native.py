@@ -7,19 +7,16 @@ Chinese legal question answered as the dequantized model answers it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvgate import SamplingParams
-from kvgate.engine.llm_engine import LLMEngine
 from kvgate.entrypoints.llm import LLM
 from kvgate.errors import ModelNotFound
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.registry import resolve_model_path
+from tests.e2e.perplexity import perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -65,33 +62,13 @@ def engines(qwen_path: Path) -> Iterator[tuple[LLM, LLM]]:
     yield native, reference
 
 
-def perplexity(engine: LLMEngine, ids: list[int]) -> float:
-    """exp(mean NLL) of every token after the first of each window, one prefill per window."""
-    model, (caches, bs) = engine.model, (engine.runner.kv_caches, engine.config.block_size)
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, WINDOW):
-        window = torch.tensor(ids[start : start + WINDOW])
-        n = len(window)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            num_decodes=0,
-            decode_blocks=torch.empty(0, dtype=torch.long),
-            decode_lens=torch.empty(0, dtype=torch.long),
-            prefills=(PrefillSlice(0, n, 0, torch.arange(-(-n // bs))),),
-        )
-        hidden = model.forward(window, torch.arange(n), caches, meta)
-        logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]).float(), dim=-1)
-        nll -= logprobs.gather(1, window[1:, None]).sum().item()
-        count += n - 1
-    return math.exp(nll / count)
-
-
 @pytest.mark.parametrize("lang", sorted(TEXTS))
 def test_perplexity_within_one_percent_of_float32(engines: tuple[LLM, LLM], lang: str) -> None:
     native, reference = engines
     ids = native.tokenizer.encode(TEXTS[lang].read_text(encoding="utf-8"))[:MAX_TOKENS]
     assert len(ids) > 600
-    ppl_native, ppl_ref = perplexity(native.engine, ids), perplexity(reference.engine, ids)
+    ppl_native = perplexity(native.engine, ids, WINDOW)
+    ppl_ref = perplexity(reference.engine, ids, WINDOW)
     change = ppl_native / ppl_ref - 1
     linear = native.engine.build_info["linear"]
     print(f"\n{lang}: {len(ids)} tokens, perplexity float32 {ppl_ref:.4f}, "
