@@ -86,8 +86,9 @@ class LLMEngine:
         self.dtype, why = resolve_dtype(config.dtype, self.device, kernels)
         t0 = time.perf_counter()
         log.info("loading weights of %r", config.model)
-        # dtype auto: a GGUF's block-quantized matrices stay in their blocks where the native
-        # block kernels are built (quant_linear.py); a named dtype dequantizes them.
+        # A GGUF's block-quantized matrices stay in their blocks where the block kernels are
+        # built (quant_linear.py): under gguf_blocks native, or auto with dtype auto for a
+        # model large enough to gain (precision.native_blocks); else they are dequantized.
         blocks = config.gguf_blocks
         keep_quantized = (
             config.quantization is None
