@@ -85,3 +85,29 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+#: The eight-token byte-level BPE vocabulary of the hand-made tiny GGUF files.
+TINY_TOKENS = ["<s>", "</s>", "a", "b", "c", "ab", "Ġ", "abc"]
+
+
+def write_tiny_header(
+    writer: Any, *, layers: int, hidden: int, inter: int, heads: int, kv_heads: int
+) -> None:
+    """The metadata of a hand-made tiny GGUF (a ``gguf.GGUFWriter``): its sizes, RoPE and norm
+    constants, and the ``TINY_TOKENS`` vocabulary with BOS 0 and EOS 1."""
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_merges(["a b", "ab c"])
+    writer.add_token_types([3, 3, 1, 1, 1, 1, 1, 1])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)

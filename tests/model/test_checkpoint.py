@@ -26,6 +26,7 @@ from kvgate.model.checkpoint import Checkpoint, expected_weight_shapes, load_che
 from kvgate.model.config import RopeScaling
 from kvgate.model.registry import DEFAULT_MODEL, resolve_model_path
 from kvgate.tokenizer import Tokenizer
+from tests.gguf_writer import TINY_TOKENS, write_tiny_header
 
 TINY = {
     "vocab_size": 49152,  # SmolLM2's tokenizer
@@ -310,7 +311,7 @@ def test_hf_eos_ids_from_config_and_generation_config(tiny_copy: Path) -> None:
 # Tiny GGUF files written with gguf-py the way llama.cpp's convert_hf_to_gguf.py writes them
 # (Q/K rows permuted for llama), from transformers' random weights.
 
-_TOKENS = ["<s>", "</s>", "a", "b", "c", "ab", "Ġ", "abc"]
+_TOKENS = TINY_TOKENS
 _GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -362,21 +363,7 @@ def _write_gguf(
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(2)
-    writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(_TOKENS)
-    writer.add_token_merges(["a b", "ab c"])
-    writer.add_token_types([3, 3, 1, 1, 1, 1, 1, 1])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    write_tiny_header(writer, layers=2, hidden=64, inter=128, heads=heads, kv_heads=kv_heads)
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     if edit is not None:

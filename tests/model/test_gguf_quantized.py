@@ -26,6 +26,7 @@ from kvgate.model.cpu_kernels import load_quant_lib
 from kvgate.model.linear import TorchLinear
 from kvgate.model.quant_linear import QuantEmbedding, QuantLinear
 from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor
+from tests.gguf_writer import TINY_TOKENS, write_tiny_header
 from tests.model.quant_blocks import _F16_FIELDS, quantize_activations, random_blocks
 
 Q = GGMLQuantizationType
@@ -36,7 +37,7 @@ GGUF_PY_QUANTIZES = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # K-quants need K % 256 == 0
 HEAD_DIM = HIDDEN // HEADS
-TOKENS = ["<s>", "</s>", "a", "b", "c", "ab", "Ġ", "abc"]
+TOKENS = TINY_TOKENS
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -147,21 +148,9 @@ def _write(
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_merges(["a b", "ab c"])
-    writer.add_token_types([3, 3, 1, 1, 1, 1, 1, 1])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    write_tiny_header(
+        writer, layers=LAYERS, hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV_HEADS
+    )
     for seed, (name, tensor) in enumerate(state.items()):
         array = tensor.float().numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
