@@ -201,19 +201,22 @@ def test_a_layer_of_parts_in_different_types_equals_their_concatenation(
     level: str, types: tuple[GGMLQuantizationType, ...], k: int
 ) -> None:
     """q, k and v (a Q4_K_M file keeps some in Q6_K) as one layer over the three tensors'
-    own blocks, with a bias: bit-identical to each part alone, concatenated."""
+    own blocks, with a bias: bit-identical to each part alone, concatenated, and each row
+    alone to the batch (with 24, 8 and 21 rows, the VNNI path's panels of 16 are whole runs of
+    one part, straddle two parts, and end partial)."""
     lib = _library(level)
     parts = [random_quant(t, n, k, seed=i, name=f"p{i}") for i, (t, n) in
-             enumerate(zip(types, (24, 8, 13), strict=True))]  # fmt: skip
-    bias = torch.randn(45, generator=torch.Generator().manual_seed(1))
+             enumerate(zip(types, (24, 8, 21), strict=True))]  # fmt: skip
+    bias = torch.randn(53, generator=torch.Generator().manual_seed(1))
     x = _inputs(6, k, seed=4).bfloat16()
     for out32 in (True, False):
         fused = QuantLinear(parts, bias, lib, io_dtype=torch.bfloat16, float32_out=out32)
-        assert fused.out_features == 45 and fused.in_features == k
+        assert fused.out_features == 53 and fused.in_features == k
         assert fused.qtypes == tuple(t.name for t in types)
-        assert fused.weight_bytes() == sum(p.nbytes() for p in parts) + 45 * 4
+        assert fused.weight_bytes() == sum(p.nbytes() for p in parts) + 53 * 4
         got = fused(x)
-        offsets = (0, 24, 32, 45)
+        assert torch.equal(got, torch.cat([fused(x[i : i + 1]) for i in range(len(x))]))
+        offsets = (0, 24, 32, 53)
         each = [
             QuantLinear([p], bias[a:b], lib, io_dtype=torch.bfloat16, float32_out=out32)(x)
             for p, a, b in zip(parts, offsets, offsets[1:], strict=False)

@@ -27,9 +27,12 @@
  * Loops: columns are split into contiguous ranges per thread; rows go in blocks whose int8 x
  * fits in ~256 KiB of L2, each block decoding the columns again. AVX512-VNNI: panels of 16
  * columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for one row, the same
- * sums without interleaving (qlinear_row1). AVX2: blocks of 2 decoded columns and row dot
- * products (further below). Measured on the Qwen 1.5B file (Zen 4, 2 threads): 7-14 GB/s of
- * weights at one row, ~150 GOP/s per core at 32: decode, not memory, bounds one row.
+ * sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by row1_run, 128
+ * inputs per load and the scales of 16 rows gathered at once). AVX2: blocks of 2 decoded
+ * columns and row dot products (further below). Measured on Zen 4, one thread, a 4096 x 1536
+ * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
+ * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
+ * threads); ~150 GOP/s per core at 32 rows.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -759,6 +762,213 @@ static inline void reduce_groups(const __m512i p[16], __m512i out[4]) {
     out[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
 }
 
+/* ---- One row, whole panels of Q4_K or Q6_K: decoded 128 inputs at a time -----------------
+ * qlinear_row1's arithmetic (the same exact group sums, the same float32 steps in the same
+ * order: bit-identical outputs) for a panel whose 16 rows are one run of one segment of
+ * Q4_K or Q6_K, the types of Q4_K_M files. What it saves per 16 columns x 256 inputs: the
+ * scales are gathered and decoded 16 columns at a time, lanes already the columns (no
+ * per-column decode and no 16 x 16 transposes: ~100 instructions instead of ~460), and a
+ * column's bytes are decoded 128 at a time from one 64-byte load with no per-column type
+ * dispatch. Q4_K's 64-byte runs of nibbles hold sub-blocks (0, 2) in their low nibbles and
+ * (1, 3) in their high ones, so the row's int8 x is laid out once per call in that order
+ * (q4k_order); Q6_K's runs are in input order. */
+
+/* A whole panel's rows as one run of a Q4_K or Q6_K segment: its first row (NULL if not). */
+static inline const uint8_t* panel_run(const kvg_qweight* w, int64_t n0, int cols, int* type,
+                                       int64_t* rb) {
+    if (cols != PANEL) return NULL;
+    for (int s = 0; s < w->nsegs; ++s) {
+        const kvg_qseg* g = &w->segs[s];
+        if (n0 < g->rows) {
+            if (n0 + PANEL > g->rows || (g->type != T_Q4_K && g->type != T_Q6_K)) return NULL;
+            *type = g->type;
+            *rb = g->row_bytes;
+            return g->data + n0 * g->row_bytes;
+        }
+        n0 -= g->rows;
+    }
+    return NULL;
+}
+
+/* Byte b (0-3) of every dword of v, zero-extended. */
+static inline __m512i byte_of(__m512i v, int b) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
+}
+
+/* 16 half floats (the low 16 bits of each dword of v) -> float32. */
+static inline __m512 half_lanes(__m512i v) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+}
+
+/* decode_scales256 of one 256-input block of 16 rows at once (blk: row 0's block; row c's at
+ * + offs[c]), lanes the rows: ws, wo [16 groups][16]. */
+static inline void run_scales(const uint8_t* blk, __m512i offs, int type, float* ws, float* wo) {
+    const __m512 zero = _mm512_setzero_ps();
+    if (type == T_Q4_K) {
+        const __m512i g0 = _mm512_i32gather_epi32(offs, blk, 1);
+        const __m512i a = _mm512_i32gather_epi32(offs, blk + 4, 1);
+        const __m512i b = _mm512_i32gather_epi32(offs, blk + 8, 1);
+        const __m512i c = _mm512_i32gather_epi32(offs, blk + 12, 1);
+        const __m512 d = half_lanes(g0), dmin = half_lanes(_mm512_srli_epi32(g0, 16));
+        const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f);
+        const __m512i top = _mm512_set1_epi32(0x30303030);
+        /* k_scales, 16 rows at a time */
+        const __m512i sc[2] = {
+            _mm512_and_si512(a, six),
+            _mm512_or_si512(_mm512_and_si512(c, four), _mm512_and_si512(_mm512_srli_epi32(a, 2), top))};
+        const __m512i mn[2] = {
+            _mm512_and_si512(b, six),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), four),
+                            _mm512_and_si512(_mm512_srli_epi32(b, 2), top))};
+        for (int j = 0; j < 8; ++j) {
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_of(sc[j / 4], j % 4)));
+            const __m512 o = _mm512_sub_ps(
+                zero, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_of(mn[j / 4], j % 4))));
+            _mm512_store_ps(ws + (2 * j) * PANEL, s);
+            _mm512_store_ps(ws + (2 * j + 1) * PANEL, s);
+            _mm512_store_ps(wo + (2 * j) * PANEL, o);
+            _mm512_store_ps(wo + (2 * j + 1) * PANEL, o);
+        }
+    } else { /* Q6_K: 16 int8 scales at 192, f16 d at 208 */
+        const __m512 d = half_lanes(_mm512_srli_epi32(_mm512_i32gather_epi32(offs, blk + 206, 1), 16));
+        const __m512 z = _mm512_set1_ps(-32.0f);
+        for (int i = 0; i < 4; ++i) {
+            const __m512i v = _mm512_i32gather_epi32(offs, blk + 192 + 4 * i, 1);
+            for (int b = 0; b < 4; ++b) {
+                const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+                const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                _mm512_store_ps(ws + (4 * i + b) * PANEL, s);
+                _mm512_store_ps(wo + (4 * i + b) * PANEL, _mm512_mul_ps(z, s));
+            }
+        }
+    }
+}
+
+/* x [Kp] in Q4_K's nibble order: per 128 inputs, 0-31, 64-95 (the low nibbles of a 64-byte
+ * run), then 32-63, 96-127 (the high ones). */
+static void q4k_order(const int8_t* x, int64_t K, int8_t* out) {
+    for (int64_t k = 0; k < K; k += 128) {
+        memcpy(out + k, x + k, 32);
+        memcpy(out + k + 32, x + k + 64, 32);
+        memcpy(out + k + 64, x + k + 32, 32);
+        memcpy(out + k + 96, x + k + 96, 32);
+    }
+}
+
+/* Inputs [128 h, 128 h + 128) of a block (blk) as unsigned bytes, in two registers of 4
+ * groups of 16: the first (!upper; Q4_K: groups 8h + 0, 1, 4, 5 of the block, Q6_K: 8h +
+ * 0..3) or the second (Q4_K: 8h + 2, 3, 6, 7; Q6_K: 8h + 4..7). */
+static inline __m512i run_decode(const uint8_t* blk, int type, int h, int upper) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == T_Q4_K) {
+        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+        return _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, m4);
+    }
+    /* Q6_K: ql[64 h + i] holds inputs 128 h + i (low nibble) and 128 h + 64 + i (high); the
+     * high pair of input 128 h + 32 s + l is bits 2s, 2s + 1 of qh[32 h + l], wanted at bits
+     * 4-5: shifted left 4 and 2 for s = 0, 1 (the first register's halves), right 0 and 2
+     * for s = 2, 3 (the second's); 16-bit shifts, the bits crossing bytes masked off */
+    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i q =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+    const __m512i b45 = _mm512_set1_epi8(0x30);
+    const __m512i high =
+        upper ? _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1))
+              : _mm512_sllv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    /* (low & 0x0F) | (high & 0x30) */
+    return _mm512_ternarylogic_epi32(upper ? _mm512_srli_epi16(l, 4) : l, m4,
+                                     _mm512_and_si512(high, b45), 0xEA);
+}
+
+/* reduce_groups' first two steps for the products of 4 rows (u0..u3): lane 4g + j of the
+ * result holds row j's sum over group g. */
+static inline __m512i sum4(__m512i u0, __m512i u1, __m512i u2, __m512i u3) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(u0, u1), _mm512_unpackhi_epi32(u0, u1));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(u2, u3), _mm512_unpackhi_epi32(u2, u3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+/* reduce_groups' last step: s2[q] (sum4 of rows 4q..4q + 3) -> out[g] lane c = row c's sum. */
+static inline void sum16(const __m512i s2[4], __m512i out[4]) {
+    const __m512i t0 = _mm512_shuffle_i32x4(s2[0], s2[1], 0x44);
+    const __m512i t1 = _mm512_shuffle_i32x4(s2[0], s2[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i32x4(s2[2], s2[3], 0x44);
+    const __m512i t3 = _mm512_shuffle_i32x4(s2[2], s2[3], 0xEE);
+    out[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+    out[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+    out[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+    out[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+}
+
+/* The exact group sums of inputs [128 h, 128 h + 128) of a block of 16 rows (row c at blk +
+ * c rb) with the row of x (xl, xh: its inputs matching run_decode's two registers): lo[i],
+ * hi[i] lane c = row c's sum over group i of the first / second register, as reduce_groups
+ * gives them; each row's bytes are loaded once for both, and the products reduced as they
+ * come so that few are live at once. */
+static inline void run_sums(const uint8_t* blk, int64_t rb, int type, int h, __m512i xl,
+                            __m512i xh, __m512i lo[4], __m512i hi[4]) {
+    __m512i sl[4], sh[4];
+    const uint8_t* p = blk;
+    for (int q = 0; q < 4; ++q) {
+        __m512i pl[4], ph[4];
+        for (int j = 0; j < 4; ++j, p += rb) {
+            pl[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), run_decode(p, type, h, 0), xl);
+            ph[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), run_decode(p, type, h, 1), xh);
+        }
+        sl[q] = sum4(pl[0], pl[1], pl[2], pl[3]);
+        sh[q] = sum4(ph[0], ph[1], ph[2], ph[3]);
+    }
+    sum16(sl, lo);
+    sum16(sh, hi);
+}
+
+/* One whole panel of one Q4_K / Q6_K run (base: its first row, rb: row bytes) times one row:
+ * out [16] float32 sums, offsets included (bias not). xo: the row's x in the run's order. */
+static inline __attribute__((always_inline)) void row1_run_t(
+    const uint8_t* base, int64_t rb, const int type, const int8_t* xo, const qacts* a, int64_t K,
+    prefetcher* pf, float* out) {
+    const int bs = block_bytes(type);
+    const __m512i offs = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)rb));
+    float ws[16 * PANEL] __attribute__((aligned(64))), wo[16 * PANEL] __attribute__((aligned(64)));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const uint8_t* blk = base + k0 / 256 * bs;
+        run_scales(blk, offs, type, ws, wo);
+        for (int h = 0; h < 2; ++h) {
+            prefetch_step(pf);
+            prefetch_step(pf);
+            __m512i lo[4], hi[4];
+            run_sums(blk, rb, type, h, _mm512_loadu_si512(xo + k0 + 128 * h),
+                     _mm512_loadu_si512(xo + k0 + 128 * h + 64), lo, hi);
+            /* by group, ascending as ptile: Q4_K's registers hold groups 0, 1, 4, 5 and 2, 3,
+             * 6, 7 of these 8; Q6_K's 0-3 and 4-7 */
+            const __m512i by_group[8] = {
+                lo[0], lo[1], type == T_Q4_K ? hi[0] : lo[2], type == T_Q4_K ? hi[1] : lo[3],
+                type == T_Q4_K ? lo[2] : hi[0], type == T_Q4_K ? lo[3] : hi[1], hi[2], hi[3]};
+            for (int i = 0; i < 8; ++i) {
+                const int64_t g = k0 / 16 + 8 * h + i;
+                const __m512 d = _mm512_set1_ps(a->dx[g / 2]), s = _mm512_set1_ps(a->xs[g]);
+                const __m512 sc = _mm512_load_ps(ws + (8 * h + i) * PANEL);
+                const __m512 of = _mm512_load_ps(wo + (8 * h + i) * PANEL);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(by_group[i]), _mm512_mul_ps(sc, d), acc);
+                acc = _mm512_fmadd_ps(of, s, acc);
+            }
+        }
+    }
+    _mm512_store_ps(out, acc);
+}
+
+__attribute__((noinline)) static void row1_run(const uint8_t* base, int64_t rb, int type,
+                                               const int8_t* xo, const qacts* a, int64_t K,
+                                               prefetcher* pf, float* out) {
+    if (type == T_Q4_K)
+        row1_run_t(base, rb, T_Q4_K, xo, a, K, pf, out);
+    else
+        row1_run_t(base, rb, T_Q6_K, xo, a, K, pf, out);
+}
+
 /* One row of x (M == 1, a batch-1 decode): the panels' arithmetic without interleaving the
  * bytes in memory. Each column's 64 decoded bytes meet the row's 64 int8 inputs in one
  * vpdpbusd, and reduce_groups turns 16 columns' lanes into the same exact group sums the
@@ -768,6 +978,7 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
                         int64_t p_lo, int64_t p_hi, int64_t N, int64_t K, int f32) {
     const int64_t Kp = a->Kp;
     float ws[16 * PANEL] __attribute__((aligned(64))), wo[16 * PANEL] __attribute__((aligned(64)));
+    int8_t* xq4 = NULL; /* x in Q4_K's order, made on the first Q4_K run */
     for (int64_t p = p_lo; p < p_hi; ++p) {
         const int64_t n0 = p * PANEL;
         const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
@@ -779,6 +990,21 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
             prefetch_step(&pf);
         }
         prefetch_start(&pf, w, n0 + PANEL, p + 1 < p_hi ? N : n0 + PANEL, K, Kp / 64);
+        int type;
+        int64_t rb;
+        const uint8_t* run = panel_run(w, n0, cols, &type, &rb);
+        if (run) {
+            if (type == T_Q4_K && !xq4) {
+                xq4 = (int8_t*)thread_scratch((size_t)Kp);
+                if (!xq4) return -2;
+                q4k_order(a->xq, K, xq4);
+            }
+            float out[PANEL] __attribute__((aligned(64)));
+            row1_run(run, rb, type, type == T_Q4_K ? xq4 : a->xq, a, K, &pf, out);
+            for (int c = 0; c < cols; ++c)
+                store_one(y, n0 + c, out[c] + (bias ? bias[n0 + c] : 0.0f), f32);
+            continue;
+        }
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
             prefetch_step(&pf);
