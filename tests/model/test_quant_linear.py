@@ -202,11 +202,12 @@ def test_a_layer_of_parts_in_different_types_equals_their_concatenation(
 ) -> None:
     """q, k and v (a Q4_K_M file keeps some in Q6_K) as one layer over the three tensors'
     own blocks, with a bias: bit-identical to each part alone, concatenated, and each row
-    alone to the batch (with 24, 8 and 21 rows, the VNNI path's panels of 16 are whole runs of
-    one part, straddle two parts, and end partial)."""
+    alone to the batch (with 16, 8 and 29 rows, the VNNI path's panels of 16 are whole runs of
+    one part, straddle two parts, and end partial; the first two, side by side in one tile,
+    take their float steps per 32 and per 16 inputs: Q6_K's scales are per 16)."""
     lib = _library(level)
     parts = [random_quant(t, n, k, seed=i, name=f"p{i}") for i, (t, n) in
-             enumerate(zip(types, (24, 8, 21), strict=True))]  # fmt: skip
+             enumerate(zip(types, (16, 8, 29), strict=True))]  # fmt: skip
     bias = torch.randn(53, generator=torch.Generator().manual_seed(1))
     x = _inputs(6, k, seed=4).bfloat16()
     for out32 in (True, False):
@@ -216,7 +217,7 @@ def test_a_layer_of_parts_in_different_types_equals_their_concatenation(
         assert fused.weight_bytes() == sum(p.nbytes() for p in parts) + 53 * 4
         got = fused(x)
         assert torch.equal(got, torch.cat([fused(x[i : i + 1]) for i in range(len(x))]))
-        offsets = (0, 24, 32, 53)
+        offsets = (0, 16, 24, 53)
         each = [
             QuantLinear([p], bias[a:b], lib, io_dtype=torch.bfloat16, float32_out=out32)(x)
             for p, a, b in zip(parts, offsets, offsets[1:], strict=False)

@@ -23,6 +23,8 @@
  * AVX512-VNNI; vpmaddubsw + vpmaddwd on AVX2, with the bytes shifted to signed so no pair can
  * saturate: 2 x 128 x 127 < 2^15); the scales are applied in float32 in one order per output
  * for every batch size: a sequence's outputs never depend on the rows it is batched with.
+ * With AVX512-VNNI a column of a type whose ws and wo hold per 32 inputs (all but Q6_K) takes
+ * one float32 step per 32 (the pair's exact integer sum, xs32 = dx x the block's sum).
  *
  * Loops: columns are split into contiguous ranges per thread; rows go in blocks whose int8 x
  * fits in ~256 KiB of L2, each block decoding the columns again. AVX512-VNNI: panels of 16
@@ -32,7 +34,8 @@
  * columns and row dot products (further below). Measured on Zen 4, one thread, a 4096 x 1536
  * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
  * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
- * threads); ~150 GOP/s per core at 32 rows.
+ * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
+ * panel_per32), 110 for Q6_K (per 16), against 111 for both with every step per 16.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -400,9 +403,10 @@ static inline float bf16_to_f32(uint16_t b) {
 }
 
 /* Activations: row m of x (K values) -> xq [Kp] int8 (zeros past K), dx [Kp / 32] (0 for an
- * all-zero block), xs [Kp / 16] = dx x the group's integer sum. Kp: K rounded up to 64. */
+ * all-zero block), xs [Kp / 16] = dx x the group's integer sum, xs32 [Kp / 32] the same per
+ * block of 32 (one rounding of the exact sum). Kp: K rounded up to 64. */
 static void quantize_x(const void* x, int io_bf16, int64_t m, int64_t K, int64_t Kp, int8_t* xq,
-                       float* dx, float* xs) {
+                       float* dx, float* xs, float* xs32) {
     const uint16_t* xb = (const uint16_t*)x + m * K;
     const float* xf = (const float*)x + m * K;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -442,9 +446,10 @@ static void quantize_x(const void* x, int io_bf16, int64_t m, int64_t K, int64_t
         dx[b] = d;
         xs[2 * b] = d * (float)s0;
         xs[2 * b + 1] = d * (float)s1;
+        xs32[b] = d * (float)(s0 + s1);
     }
     for (int64_t k = K; k < Kp; ++k) xq[k] = 0;
-    for (int64_t b = K / 32; b < Kp / 32; ++b) dx[b] = xs[2 * b] = xs[2 * b + 1] = 0.0f;
+    for (int64_t b = K / 32; b < Kp / 32; ++b) dx[b] = xs[2 * b] = xs[2 * b + 1] = xs32[b] = 0.0f;
 }
 
 static inline float hsum8(__m256 v) {
@@ -488,11 +493,13 @@ static inline void store_one(void* y, int64_t at, float v, int f32) {
     }
 }
 
-/* The activations of a call, quantized once: xq [M][Kp], dx [M][Kp / 32], xs [M][Kp / 16]. */
+/* The activations of a call, quantized once: xq [M][Kp], dx [M][Kp / 32], xs [M][Kp / 16],
+ * xs32 [M][Kp / 32]. */
 typedef struct {
     const int8_t* xq;
     const float* dx;
     const float* xs;
+    const float* xs32;
     int64_t Kp;
 } qacts;
 
@@ -506,7 +513,8 @@ typedef struct {
  * broadcast to all 16 lanes: one vpdpbusd is 64 multiply-adds, 16 columns x 4 inputs, and each
  * lane sums its column's exact int32 products over the group; then, per group, to float32,
  * times the column's scale and the row's block scale, plus the offset times the row's group
- * sum: 8 instructions per 256 multiply-adds, in one order for every row whatever M is. */
+ * sum: 8 instructions per 256 multiply-adds (per 512 for panels whose types have per-32
+ * scales: panel_per32), in one order for every row whatever M is. */
 #define PANEL 16
 #define MAX_R 4
 #define MAX_P 2
@@ -643,37 +651,60 @@ static int decode_panel(const kvg_qweight* w, int64_t n0, int cols, int64_t N, i
     return 0;
 }
 
-/* R rows x P panels (16 P columns): out [R][P * 16] float32 sums, offsets included. */
-#define DEFINE_PTILE(R, P)                                                                     \
-static void ptile_##R##_##P(const int8_t* xq, const float* dx, const float* xs, int64_t Kp,   \
-                            const uint32_t* qi, const float* ws, const float* wo,             \
-                            int64_t pstride_q, int64_t pstride_s, float* out) {               \
+/* A column whose type's scale and offset hold for whole blocks of 32 inputs (every type but
+ * Q6_K, whose scales are per 16) takes its float32 steps per 32 inputs, on the exact integer
+ * sum of the block: half as many. The steps are a property of the column's own type, so a
+ * column gets the same output in any batch and in any fused layer. A panel's lanes: bit c of
+ * panel_per32 for column c (columns past the panel's end count as either). A panel with
+ * both kinds (a fused layer's parts meeting inside it) is computed both ways and blended. */
+static inline int per32_type(int type) { return type != T_Q6_K; }
+
+#define ALL_LANES 0xFFFF
+
+static unsigned panel_per32(const kvg_qweight* w, int64_t n0, int cols) {
+    unsigned mask = ALL_LANES;
+    for (int c = 0; c < cols; ++c) {
+        int type;
+        if (!weight_row(w, n0 + c, &type) || !per32_type(type)) mask &= ~(1u << c);
+    }
+    /* the columns past the end: as the others, when those are all of one kind */
+    return cols < PANEL && (mask & ((1u << cols) - 1)) == 0 ? 0 : mask;
+}
+
+/* R rows x P panels (16 P columns): out [R][P * 16] float32 sums, offsets included. W: the
+ * inputs per float32 step (16, or 32 for per32 panels: their ws, wo per 16 repeat in pairs,
+ * read at the pair's first; xs is then the rows' xs32). */
+#define DEFINE_PTILE(R, P, W)                                                                  \
+static void ptile_##R##_##P##_##W(const int8_t* xq, const float* dx, const float* xs,          \
+                                  int64_t Kp, const uint32_t* qi, const float* ws,             \
+                                  const float* wo, int64_t pstride_q, int64_t pstride_s,       \
+                                  float* out) {                                                \
     __m512 acc[R][P];                                                                         \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                       \
         _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();  \
-    for (int64_t g = 0; g < Kp / 16; ++g) {                                                   \
+    for (int64_t g = 0; g < Kp / W; ++g) {                                                    \
         __m512i isum[R][P];                                                                   \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                   \
             _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                               \
                 isum[r][p] = _mm512_setzero_si512();                                          \
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {                                 \
+        _Pragma("GCC unroll 8") for (int j = 0; j < W / 4; ++j) {                             \
             __m512i wv[P];                                                                    \
             _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                               \
-                wv[p] = _mm512_loadu_si512(qi + p * pstride_q + (4 * g + j) * PANEL);         \
+                wv[p] = _mm512_loadu_si512(qi + p * pstride_q + ((W / 4) * g + j) * PANEL);   \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                             \
                 int32_t four;                                                                 \
-                memcpy(&four, xq + r * Kp + 16 * g + 4 * j, 4);                               \
+                memcpy(&four, xq + r * Kp + W * g + 4 * j, 4);                                \
                 const __m512i xb = _mm512_set1_epi32(four);                                   \
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p)                           \
                     isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], wv[p], xb);                  \
             }                                                                                 \
         }                                                                                     \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                 \
-            const __m512 d = _mm512_set1_ps(dx[r * (Kp / 32) + g / 2]);                       \
-            const __m512 s = _mm512_set1_ps(xs[r * (Kp / 16) + g]);                           \
+            const __m512 d = _mm512_set1_ps(dx[r * (Kp / 32) + g * W / 32]);                  \
+            const __m512 s = _mm512_set1_ps(xs[r * (Kp / W) + g]);                            \
             _Pragma("GCC unroll 2") for (int p = 0; p < P; ++p) {                             \
-                const __m512 sc = _mm512_loadu_ps(ws + p * pstride_s + g * PANEL);            \
-                const __m512 of = _mm512_loadu_ps(wo + p * pstride_s + g * PANEL);            \
+                const __m512 sc = _mm512_loadu_ps(ws + p * pstride_s + (W / 16) * g * PANEL); \
+                const __m512 of = _mm512_loadu_ps(wo + p * pstride_s + (W / 16) * g * PANEL); \
                 acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][p]),                   \
                                             _mm512_mul_ps(sc, d), acc[r][p]);                 \
                 acc[r][p] = _mm512_fmadd_ps(of, s, acc[r][p]);                                \
@@ -685,16 +716,27 @@ static void ptile_##R##_##P(const int8_t* xq, const float* dx, const float* xs, 
             _mm512_storeu_ps(out + r * MAX_P * PANEL + p * PANEL, acc[r][p]);                 \
 }
 
-DEFINE_PTILE(1, 1) DEFINE_PTILE(2, 1) DEFINE_PTILE(3, 1) DEFINE_PTILE(4, 1)
-DEFINE_PTILE(1, 2) DEFINE_PTILE(2, 2) DEFINE_PTILE(3, 2) DEFINE_PTILE(4, 2)
+DEFINE_PTILE(1, 1, 16) DEFINE_PTILE(2, 1, 16) DEFINE_PTILE(3, 1, 16) DEFINE_PTILE(4, 1, 16)
+DEFINE_PTILE(1, 2, 16) DEFINE_PTILE(2, 2, 16) DEFINE_PTILE(3, 2, 16) DEFINE_PTILE(4, 2, 16)
+DEFINE_PTILE(1, 1, 32) DEFINE_PTILE(2, 1, 32) DEFINE_PTILE(3, 1, 32) DEFINE_PTILE(4, 1, 32)
+DEFINE_PTILE(1, 2, 32) DEFINE_PTILE(2, 2, 32) DEFINE_PTILE(3, 2, 32) DEFINE_PTILE(4, 2, 32)
 typedef void (*ptile_fn)(const int8_t*, const float*, const float*, int64_t, const uint32_t*,
                          const float*, const float*, int64_t, int64_t, float*);
-static const ptile_fn PTILES[MAX_R + 1][MAX_P + 1] = {
-    {0},
-    {0, ptile_1_1, ptile_1_2},
-    {0, ptile_2_1, ptile_2_2},
-    {0, ptile_3_1, ptile_3_2},
-    {0, ptile_4_1, ptile_4_2},
+static const ptile_fn PTILES[2][MAX_R + 1][MAX_P + 1] = {
+    {
+        {0},
+        {0, ptile_1_1_16, ptile_1_2_16},
+        {0, ptile_2_1_16, ptile_2_2_16},
+        {0, ptile_3_1_16, ptile_3_2_16},
+        {0, ptile_4_1_16, ptile_4_2_16},
+    },
+    {
+        {0},
+        {0, ptile_1_1_32, ptile_1_2_32},
+        {0, ptile_2_1_32, ptile_2_2_32},
+        {0, ptile_3_1_32, ptile_3_2_32},
+        {0, ptile_4_1_32, ptile_4_2_32},
+    },
 };
 
 /* Rows [m0, m1) of y for this thread's panels [p_lo, p_hi). */
@@ -710,17 +752,45 @@ static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bia
     float out[MAX_R * MAX_P * PANEL] __attribute__((aligned(64)));
     for (int64_t p = p_lo; p < p_hi; p += MAX_P) {
         const int P = p_hi - p < MAX_P ? (int)(p_hi - p) : MAX_P;
+        unsigned per32[MAX_P];
         for (int i = 0; i < P; ++i) {
             const int64_t n0 = (p + i) * PANEL;
             const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
             if (decode_panel(w, n0, cols, N, K, Kp, MAX_P, qi + i * sq, ws + i * ss, wo + i * ss))
                 return -1;
+            per32[i] = panel_per32(w, n0, cols);
         }
         const int64_t cols = (p + P) * PANEL < N ? P * PANEL : N - p * PANEL;
+        /* pure panels of one kind side by side: one tile for both; else a tile each, a
+         * panel of both kinds twice (per 16, then per 32 blended into its lanes) */
+        const int pure0 = per32[0] == 0 || per32[0] == ALL_LANES;
+        const int together = P == 1 ? pure0 : pure0 && per32[0] == per32[1];
         for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
             const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
-            PTILES[R][P](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), a->xs + r0 * (Kp / 16), Kp,
-                         qi, ws, wo, sq, ss, out);
+            const int8_t* xq = a->xq + r0 * Kp;
+            const float* dx = a->dx + r0 * (Kp / 32);
+            const float* xs16 = a->xs + r0 * (Kp / 16);
+            const float* xs32 = a->xs32 + r0 * (Kp / 32);
+            if (together) {
+                const int k = per32[0] != 0;
+                PTILES[k][R][P](xq, dx, k ? xs32 : xs16, Kp, qi, ws, wo, sq, ss, out);
+            } else {
+                for (int i = 0; i < P; ++i) {
+                    const uint32_t* q = qi + i * sq;
+                    const float *s = ws + i * ss, *o = wo + i * ss;
+                    if (per32[i] != ALL_LANES)
+                        PTILES[0][R][1](xq, dx, xs16, Kp, q, s, o, sq, ss, out + i * PANEL);
+                    if (per32[i] == 0) continue;
+                    float o32[MAX_R * MAX_P * PANEL] __attribute__((aligned(64)));
+                    PTILES[1][R][1](xq, dx, xs32, Kp, q, s, o, sq, ss, o32);
+                    for (int r = 0; r < R; ++r) {
+                        float* at = out + r * MAX_P * PANEL + i * PANEL;
+                        _mm512_storeu_ps(at, _mm512_mask_blend_ps((__mmask16)per32[i],
+                                                                  _mm512_loadu_ps(at),
+                                                                  _mm512_load_ps(o32 + r * MAX_P * PANEL)));
+                    }
+                }
+            }
             for (int r = 0; r < R; ++r) {
                 const float* o = out + r * MAX_P * PANEL;
                 const int64_t at = (r0 + r) * N + p * PANEL;
@@ -942,18 +1012,29 @@ static inline __attribute__((always_inline)) void row1_run_t(
             __m512i lo[4], hi[4];
             run_sums(blk, rb, type, h, _mm512_loadu_si512(xo + k0 + 128 * h),
                      _mm512_loadu_si512(xo + k0 + 128 * h + 64), lo, hi);
-            /* by group, ascending as ptile: Q4_K's registers hold groups 0, 1, 4, 5 and 2, 3,
-             * 6, 7 of these 8; Q6_K's 0-3 and 4-7 */
-            const __m512i by_group[8] = {
-                lo[0], lo[1], type == T_Q4_K ? hi[0] : lo[2], type == T_Q4_K ? hi[1] : lo[3],
-                type == T_Q4_K ? lo[2] : hi[0], type == T_Q4_K ? lo[3] : hi[1], hi[2], hi[3]};
-            for (int i = 0; i < 8; ++i) {
-                const int64_t g = k0 / 16 + 8 * h + i;
-                const __m512 d = _mm512_set1_ps(a->dx[g / 2]), s = _mm512_set1_ps(a->xs[g]);
-                const __m512 sc = _mm512_load_ps(ws + (8 * h + i) * PANEL);
-                const __m512 of = _mm512_load_ps(wo + (8 * h + i) * PANEL);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(by_group[i]), _mm512_mul_ps(sc, d), acc);
-                acc = _mm512_fmadd_ps(of, s, acc);
+            /* ptile's steps in its order: Q4_K's registers hold groups 0, 1, 4, 5 and 2, 3, 6,
+             * 7 of these 8, one step per pair (per32); Q6_K's 0-3 and 4-7, one step each */
+            if (type == T_Q4_K) {
+                const __m512i blocks[4] = {_mm512_add_epi32(lo[0], lo[1]), _mm512_add_epi32(hi[0], hi[1]),
+                                           _mm512_add_epi32(lo[2], lo[3]), _mm512_add_epi32(hi[2], hi[3])};
+                for (int i = 0; i < 4; ++i) {
+                    const int64_t b = k0 / 32 + 4 * h + i;
+                    const __m512 d = _mm512_set1_ps(a->dx[b]), s = _mm512_set1_ps(a->xs32[b]);
+                    const __m512 sc = _mm512_load_ps(ws + (8 * h + 2 * i) * PANEL);
+                    const __m512 of = _mm512_load_ps(wo + (8 * h + 2 * i) * PANEL);
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks[i]), _mm512_mul_ps(sc, d), acc);
+                    acc = _mm512_fmadd_ps(of, s, acc);
+                }
+            } else {
+                const __m512i groups[8] = {lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]};
+                for (int i = 0; i < 8; ++i) {
+                    const int64_t g = k0 / 16 + 8 * h + i;
+                    const __m512 d = _mm512_set1_ps(a->dx[g / 2]), s = _mm512_set1_ps(a->xs[g]);
+                    const __m512 sc = _mm512_load_ps(ws + (8 * h + i) * PANEL);
+                    const __m512 of = _mm512_load_ps(wo + (8 * h + i) * PANEL);
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(groups[i]), _mm512_mul_ps(sc, d), acc);
+                    acc = _mm512_fmadd_ps(of, s, acc);
+                }
             }
         }
     }
@@ -1005,7 +1086,11 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
                 store_one(y, n0 + c, out[c] + (bias ? bias[n0 + c] : 0.0f), f32);
             continue;
         }
-        __m512 acc = _mm512_setzero_ps();
+        const unsigned lanes32 = panel_per32(w, n0, cols);
+        /* per32: the panel's float steps per 32 inputs (all lanes), or both kinds (acc per 16
+         * inputs, acc32 per 32, blended at the end) */
+        const int per32 = lanes32 == ALL_LANES, both = lanes32 && !per32;
+        __m512 acc = _mm512_setzero_ps(), acc32 = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
             prefetch_step(&pf);
             if (k0 % 256 == 0) panel_scales(&pr, k0, K, ws, wo);
@@ -1016,9 +1101,24 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
                     _mm512_setzero_si512(),
                     decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64), xv);
             reduce_groups(prod, sums);
-            for (int i = 0; i < 4; ++i) {
-                const int64_t g = k0 / 16 + i;
-                const __m512 d = _mm512_set1_ps(a->dx[g / 2]), s = _mm512_set1_ps(a->xs[g]);
+            if (both) /* the per-32 steps beside the per-16 ones below */
+                for (int i = 0; i < 2; ++i) {
+                    const int64_t g = k0 / 16 + 2 * i;
+                    const __m512 d = _mm512_set1_ps(a->dx[g / 2]), s = _mm512_set1_ps(a->xs32[g / 2]);
+                    const __m512 sc = _mm512_load_ps(ws + (g % 16) * PANEL);
+                    const __m512 of = _mm512_load_ps(wo + (g % 16) * PANEL);
+                    const __m512i blk = _mm512_add_epi32(sums[2 * i], sums[2 * i + 1]);
+                    acc32 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk), _mm512_mul_ps(sc, d), acc32);
+                    acc32 = _mm512_fmadd_ps(of, s, acc32);
+                }
+            if (per32) { /* ptile's steps per 32 inputs: the exact block sum, ws of its first 16 */
+                sums[0] = _mm512_add_epi32(sums[0], sums[1]);
+                sums[1] = _mm512_add_epi32(sums[2], sums[3]);
+            }
+            for (int i = 0; i < (per32 ? 2 : 4); ++i) {
+                const int64_t g = k0 / 16 + (per32 ? 2 * i : i);
+                const __m512 d = _mm512_set1_ps(a->dx[g / 2]);
+                const __m512 s = _mm512_set1_ps(per32 ? a->xs32[g / 2] : a->xs[g]);
                 const __m512 sc = _mm512_load_ps(ws + (g % 16) * PANEL);
                 const __m512 of = _mm512_load_ps(wo + (g % 16) * PANEL);
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(sc, d), acc);
@@ -1026,7 +1126,7 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
             }
         }
         float out[PANEL] __attribute__((aligned(64)));
-        _mm512_store_ps(out, acc);
+        _mm512_store_ps(out, both ? _mm512_mask_blend_ps((__mmask16)lanes32, acc, acc32) : acc);
         for (int c = 0; c < cols; ++c)
             store_one(y, n0 + c, out[c] + (bias ? bias[n0 + c] : 0.0f), f32);
     }
@@ -1180,17 +1280,19 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     int8_t* xq = (int8_t*)malloc((size_t)M * Kp);
     float* dx = (float*)malloc((size_t)M * (Kp / 32) * sizeof(float));
     float* xs = (float*)malloc((size_t)M * (Kp / 16) * sizeof(float));
-    if (!xq || !dx || !xs) {
+    float* xs32 = (float*)malloc((size_t)M * (Kp / 32) * sizeof(float));
+    if (!xq || !dx || !xs || !xs32) {
         free(xq);
         free(dx);
         free(xs);
+        free(xs32);
         return -2;
     }
     #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
     for (int m = 0; m < M; ++m)
         quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
-                   xs + (int64_t)m * (Kp / 16));
-    const qacts acts = {xq, dx, xs, Kp};
+                   xs + (int64_t)m * (Kp / 16), xs32 + (int64_t)m * (Kp / 32));
+    const qacts acts = {xq, dx, xs, xs32, Kp};
     const int f32 = out_f32 || !io_bf16;
     int failed = 0;
     #pragma omp parallel
@@ -1209,6 +1311,7 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     free(xq);
     free(dx);
     free(xs);
+    free(xs32);
     return failed;
 }
 #else
