@@ -14,7 +14,11 @@ from kvgate.cluster.rollout import Limits, load_golden, parse_duration, parse_st
 
 
 def add_rollout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["start", "status", "promote", "abort"])
+    p.add_argument(
+        "action",
+        choices=["start", "status", "promote", "abort"],
+        help="start a rollout; print its status; promote the canary now; abort (roll back)",
+    )
     p.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS", "auto"),
@@ -27,7 +31,7 @@ def add_rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--key",
         default=os.environ.get("KVGATE_API_KEY"),
-        help="start: the API key golden prompts are sent with",
+        help="start: the API key golden prompts are sent with (default: $KVGATE_API_KEY)",
     )
     p.add_argument("--replicas", type=int, default=1, help="start: the canary's replicas")
     p.add_argument(

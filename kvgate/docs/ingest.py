@@ -8,7 +8,7 @@ priority of ingestion's class (``batch``: Linux's ``SCHED_IDLE`` policy at nice 
 server's GIL, and the engine's threads win the cores whenever they want them. The child
 reads and writes the same database (SQLite in WAL mode, or PostgreSQL) and tells the server
 each job's end, so the server brings the indexes it keeps up to date. Measured with
-bench/longdoc_serving.py: see the README.
+bench/longdoc_serving.py: see bench/results/.
 """
 
 from __future__ import annotations

@@ -25,14 +25,15 @@ def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) ->
             "--model",
             action="append",
             default=None,
-            help="'smollm2' (default), 'gemma3-270m', a .gguf file, or a HF checkpoint "
-            "directory; repeat it to serve several models, each with its own engine",
+            help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-1.5b', a .gguf file, or a "
+            "HF checkpoint directory; repeat it to serve several models, each with its own engine",
         )
     else:
         g.add_argument(
             "--model",
             default=DEFAULT_MODEL,
-            help="'smollm2' (default), 'gemma3-270m', a .gguf file, or a HF checkpoint directory",
+            help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-1.5b', a .gguf file, or a "
+            "HF checkpoint directory",
         )
     g.add_argument(
         "--dtype",
@@ -60,9 +61,16 @@ def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) ->
         default="1GiB",
         help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)",
     )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=128, help="sequences that may run in one step"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per step (decodes and prefill chunks together): the step's budget",
+    )
     g.add_argument(
         "--num-spare-seqs",
         type=int,
@@ -71,9 +79,18 @@ def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) ->
         "otherwise preempt running work for a slot (a higher class, a tenant taking back its "
         "guarantee); default max-num-seqs/8, at least 1; 0: they preempt",
     )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None)
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt plus output tokens (default: the model's own)",
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="never reuse the KV of a cached prefix"
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="the model's CPU threads (default: PyTorch's)"
+    )
     g.add_argument(
         "--no-native-kernels",
         action="store_true",

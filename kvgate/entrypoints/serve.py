@@ -37,8 +37,8 @@ log = logging.getLogger("kvgate.server")
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--config", default=None, help="TOML or YAML file with any of these settings")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument(
         "--served-model-name",
         action="append",
@@ -125,7 +125,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="the document embedder's arithmetic (auto: bfloat16 where oneDNN has bf16 GEMMs, "
         "else float32; logged at start)",
     )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level (stderr)",
+    )
     c = p.add_argument_group("replicas (Ray Serve: kvgate.cluster)")
     c.add_argument(
         "--replicas",
@@ -153,7 +158,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="on: the engine (model, scheduler) runs in a process of its own, the HTTP front "
         "end in this one, over ZeroMQ; a dead engine process is restarted. off: a thread of "
-        "this process (the default: see README, 'The engine in its own process'). "
+        "this process (the default: see docs/operator/engine-process.md). "
         "Default from $KVGATE_ENGINE_PROCESS",
     )
     c.add_argument(

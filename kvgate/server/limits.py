@@ -1,8 +1,8 @@
 """Limits on what one request may make the server do, enforced before the work is done.
 
 ``RequestLimits`` holds every limit (each a ``kvgate serve`` flag, defaults documented
-there and in the README). ``GuardMiddleware`` is the outermost layer of the app, pure ASGI,
-so it runs before FastAPI reads or parses a byte of the body:
+there and in docs/operator/settings.md). ``GuardMiddleware`` is the outermost layer of the
+app, pure ASGI, so it runs before FastAPI reads or parses a byte of the body:
 
 1. a body over ``max_body_bytes`` is refused with 413, on its ``Content-Length`` before
    reading, or as soon as the bytes received pass the limit (chunked bodies);

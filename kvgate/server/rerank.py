@@ -6,7 +6,7 @@ all passages one batch). Ties keep the retriever's order.
 
 The passages run as the caller's own requests, through the same admission as any other:
 the tenant's token budgets, KV quota and queue share apply, and its usage is recorded.
-Its effect on recall: ``bench/longdoc.py --rerank MODEL`` (the README has the figures).
+Its effect on recall: ``bench/longdoc.py --rerank MODEL`` (figures in bench/results/).
 """
 
 from __future__ import annotations
