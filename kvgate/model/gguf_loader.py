@@ -210,6 +210,25 @@ class _Cursor:
     def string(self) -> str:
         return str(self.take(self.u64()), "utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, its merges: ~150k each for Qwen2.5), in
+        one loop over local names: ~4x faster than ``string`` per item."""
+        mv, pos, end = self.mv, self.pos, len(self.mv)
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                raise ValueError(f"unexpected end of file at byte {pos} (wanted 8 more)")
+            n = unpack(mv, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise ValueError(f"unexpected end of file at byte {pos} (wanted {n} more)")
+            append(str(mv[pos : pos + n], "utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -223,6 +242,8 @@ class _Cursor:
                 dtype = np.dtype(_NUMERIC[GGUFValueType(item_type)])
                 items = np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
                 return [bool(v) for v in items] if item_type == GGUFValueType.BOOL else items
+            if item_type == GGUFValueType.STRING:
+                return self.strings(count)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         if vtype not in _NUMERIC:
             raise ValueError(f"unknown metadata value type {vtype}")
@@ -377,7 +398,10 @@ class _Fields:
         value = self.fields.get(key)
         if value is None:
             return None
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+        # the types present, in C (a vocabulary is ~150k items): then one check per type
+        if not isinstance(value, list) or not all(
+            issubclass(t, item) for t in set(map(type, value))
+        ):
             raise self._bad(key, f"a list of {item.__name__}")
         return value
 

@@ -528,7 +528,14 @@ static inline __m512i decode64_zmm(const uint8_t* row, int type, int64_t k0, int
 
 /* dst[j][i] = r[i][j] for 16 x 16 32-bit values in registers (r is clobbered; dst's row
  * stride in elements). */
+static inline void transpose16_regs2(__m512i r[16], uint32_t* dst, uint32_t* dst8, int64_t ds);
+
 static inline void transpose16_regs(__m512i r[16], uint32_t* dst, int64_t ds) {
+    transpose16_regs2(r, dst, dst + 8 * ds, ds);
+}
+
+/* transpose16_regs with rows 8-15 of the result at dst8 (rows j >= 8 at dst8 + (j - 8) ds). */
+static inline void transpose16_regs2(__m512i r[16], uint32_t* dst, uint32_t* dst8, int64_t ds) {
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: rows i, i + 1 interleaved */
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -547,8 +554,8 @@ static inline void transpose16_regs(__m512i r[16], uint32_t* dst, int64_t ds) {
         const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
         _mm512_storeu_si512(dst + (0 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0x88));
         _mm512_storeu_si512(dst + (4 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0x88));
-        _mm512_storeu_si512(dst + (8 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0xDD));
-        _mm512_storeu_si512(dst + (12 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0xDD));
+        _mm512_storeu_si512(dst8 + (0 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0xDD));
+        _mm512_storeu_si512(dst8 + (4 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0xDD));
     }
 }
 
@@ -630,6 +637,153 @@ static inline void panel_scales(const panel_rows* pr, int64_t k0, int64_t K, flo
     transpose16((const uint32_t*)go, 16, (uint32_t*)wo, PANEL);
 }
 
+/* ---- Whole panels of Q4_K or Q6_K: decoded 128 inputs at a time ----------------------------
+ * qlinear_row1's arithmetic (the same exact group sums, the same float32 steps in the same
+ * order: bit-identical outputs) for a panel whose 16 rows are one run of one segment of
+ * Q4_K or Q6_K, the types of Q4_K_M files. What it saves per 16 columns x 256 inputs: the
+ * scales are gathered and decoded 16 columns at a time, lanes already the columns (no
+ * per-column decode and no 16 x 16 transposes: ~100 instructions instead of ~460), and a
+ * column's bytes are decoded 128 at a time from one 64-byte load with no per-column type
+ * dispatch. Q4_K's 64-byte runs of nibbles hold sub-blocks (0, 2) in their low nibbles and
+ * (1, 3) in their high ones, so the row's int8 x is laid out once per call in that order
+ * (q4k_order); Q6_K's runs are in input order. */
+
+/* A whole panel's rows as one run of a Q4_K or Q6_K segment: its first row (NULL if not). */
+static inline const uint8_t* panel_run(const kvg_qweight* w, int64_t n0, int cols, int* type,
+                                       int64_t* rb) {
+    if (cols != PANEL) return NULL;
+    for (int s = 0; s < w->nsegs; ++s) {
+        const kvg_qseg* g = &w->segs[s];
+        if (n0 < g->rows) {
+            if (n0 + PANEL > g->rows || (g->type != T_Q4_K && g->type != T_Q6_K)) return NULL;
+            *type = g->type;
+            *rb = g->row_bytes;
+            return g->data + n0 * g->row_bytes;
+        }
+        n0 -= g->rows;
+    }
+    return NULL;
+}
+
+/* Byte b (0-3) of every dword of v, zero-extended. */
+static inline __m512i byte_of(__m512i v, int b) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
+}
+
+/* 16 half floats (the low 16 bits of each dword of v) -> float32. */
+static inline __m512 half_lanes(__m512i v) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+}
+
+/* decode_scales256 of one 256-input block of 16 rows at once (blk: row 0's block; row c's at
+ * + offs[c]), lanes the rows: ws, wo [16 groups][16]. */
+static inline void run_scales(const uint8_t* blk, __m512i offs, int type, float* ws, float* wo) {
+    const __m512 zero = _mm512_setzero_ps();
+    if (type == T_Q4_K) {
+        const __m512i g0 = _mm512_i32gather_epi32(offs, blk, 1);
+        const __m512i a = _mm512_i32gather_epi32(offs, blk + 4, 1);
+        const __m512i b = _mm512_i32gather_epi32(offs, blk + 8, 1);
+        const __m512i c = _mm512_i32gather_epi32(offs, blk + 12, 1);
+        const __m512 d = half_lanes(g0), dmin = half_lanes(_mm512_srli_epi32(g0, 16));
+        const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f);
+        const __m512i top = _mm512_set1_epi32(0x30303030);
+        /* k_scales, 16 rows at a time */
+        const __m512i sc[2] = {
+            _mm512_and_si512(a, six),
+            _mm512_or_si512(_mm512_and_si512(c, four), _mm512_and_si512(_mm512_srli_epi32(a, 2), top))};
+        const __m512i mn[2] = {
+            _mm512_and_si512(b, six),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), four),
+                            _mm512_and_si512(_mm512_srli_epi32(b, 2), top))};
+        for (int j = 0; j < 8; ++j) {
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_of(sc[j / 4], j % 4)));
+            const __m512 o = _mm512_sub_ps(
+                zero, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_of(mn[j / 4], j % 4))));
+            _mm512_storeu_ps(ws + (2 * j) * PANEL, s);
+            _mm512_storeu_ps(ws + (2 * j + 1) * PANEL, s);
+            _mm512_storeu_ps(wo + (2 * j) * PANEL, o);
+            _mm512_storeu_ps(wo + (2 * j + 1) * PANEL, o);
+        }
+    } else { /* Q6_K: 16 int8 scales at 192, f16 d at 208 */
+        const __m512 d = half_lanes(_mm512_srli_epi32(_mm512_i32gather_epi32(offs, blk + 206, 1), 16));
+        const __m512 z = _mm512_set1_ps(-32.0f);
+        for (int i = 0; i < 4; ++i) {
+            const __m512i v = _mm512_i32gather_epi32(offs, blk + 192 + 4 * i, 1);
+            for (int b = 0; b < 4; ++b) {
+                const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+                const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                _mm512_storeu_ps(ws + (4 * i + b) * PANEL, s);
+                _mm512_storeu_ps(wo + (4 * i + b) * PANEL, _mm512_mul_ps(z, s));
+            }
+        }
+    }
+}
+
+/* x [Kp] in Q4_K's nibble order: per 128 inputs, 0-31, 64-95 (the low nibbles of a 64-byte
+ * run), then 32-63, 96-127 (the high ones). */
+static void q4k_order(const int8_t* x, int64_t K, int8_t* out) {
+    for (int64_t k = 0; k < K; k += 128) {
+        memcpy(out + k, x + k, 32);
+        memcpy(out + k + 32, x + k + 64, 32);
+        memcpy(out + k + 64, x + k + 32, 32);
+        memcpy(out + k + 96, x + k + 96, 32);
+    }
+}
+
+/* Inputs [128 h, 128 h + 128) of a block (blk) as unsigned bytes, in two registers of 4
+ * groups of 16: the first (!upper; Q4_K: groups 8h + 0, 1, 4, 5 of the block, Q6_K: 8h +
+ * 0..3) or the second (Q4_K: 8h + 2, 3, 6, 7; Q6_K: 8h + 4..7). */
+static inline __m512i run_decode(const uint8_t* blk, int type, int h, int upper) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == T_Q4_K) {
+        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+        return _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, m4);
+    }
+    /* Q6_K: ql[64 h + i] holds inputs 128 h + i (low nibble) and 128 h + 64 + i (high); the
+     * high pair of input 128 h + 32 s + l is bits 2s, 2s + 1 of qh[32 h + l], wanted at bits
+     * 4-5: shifted left 4 and 2 for s = 0, 1 (the first register's halves), right 0 and 2
+     * for s = 2, 3 (the second's); 16-bit shifts, the bits crossing bytes masked off */
+    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i q =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+    const __m512i b45 = _mm512_set1_epi8(0x30);
+    const __m512i high =
+        upper ? _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1))
+              : _mm512_sllv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    /* (low & 0x0F) | (high & 0x30) */
+    return _mm512_ternarylogic_epi32(upper ? _mm512_srli_epi16(l, 4) : l, m4,
+                                     _mm512_and_si512(high, b45), 0xEA);
+}
+
+/* decode_panel for a whole panel of one Q4_K / Q6_K run (base: its first row, rb: row bytes):
+ * the same bytes and scales, the scales gathered 16 rows at a time and the bytes decoded
+ * 128 inputs per load (run_scales, run_decode), each register's two halves of 32 inputs
+ * transposed to where their inputs go (Q4_K's registers hold inputs 0-31 and 64-95, or
+ * 32-63 and 96-127, of the 128). */
+static void decode_run(const uint8_t* base, int64_t rb, int type, int64_t K, prefetcher* pf,
+                       uint32_t* qi, float* ws, float* wo) {
+    const int bs = block_bytes(type);
+    const __m512i offs = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)rb));
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const uint8_t* blk = base + k0 / 256 * bs;
+        run_scales(blk, offs, type, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t k = k0 + 128 * h;
+            for (int upper = 0; upper < 2; ++upper) {
+                prefetch_step(pf);
+                __m512i r[16];
+                for (int c = 0; c < PANEL; ++c) r[c] = run_decode(blk + c * rb, type, h, upper);
+                /* first 32 and second 32 inputs of the register */
+                const int64_t at = type == T_Q4_K ? k + 32 * upper : k + 64 * upper;
+                const int64_t at8 = type == T_Q4_K ? at + 64 : at + 32;
+                transpose16_regs2(r, qi + at / 4 * PANEL, qi + at8 / 4 * PANEL, PANEL);
+            }
+        }
+    }
+}
+
 /* Decode columns [n0, n0 + cols) (cols <= 16; the others zero) into one interleaved panel:
  * qi [Kp / 4][16] dwords, ws and wo [panel_groups][16]: 64 inputs of the 16 rows at a time
  * into registers, transposed to 16 dwords per 4 inputs; scales 256 inputs at a time. The
@@ -640,6 +794,13 @@ static int decode_panel(const kvg_qweight* w, int64_t n0, int cols, int64_t N, i
     if (panel_open(w, n0, cols, &pr)) return -1;
     prefetcher pf;
     prefetch_start(&pf, w, n0 + next * PANEL, N, K, Kp / 64);
+    int type;
+    int64_t rb;
+    const uint8_t* run = panel_run(w, n0, cols, &type, &rb);
+    if (run) {
+        decode_run(run, rb, type, K, &pf, qi, ws, wo);
+        return 0;
+    }
     for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
         prefetch_step(&pf);
         if (k0 % 256 == 0) panel_scales(&pr, k0, K, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
@@ -830,124 +991,6 @@ static inline void reduce_groups(const __m512i p[16], __m512i out[4]) {
     out[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
     out[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
     out[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
-}
-
-/* ---- One row, whole panels of Q4_K or Q6_K: decoded 128 inputs at a time -----------------
- * qlinear_row1's arithmetic (the same exact group sums, the same float32 steps in the same
- * order: bit-identical outputs) for a panel whose 16 rows are one run of one segment of
- * Q4_K or Q6_K, the types of Q4_K_M files. What it saves per 16 columns x 256 inputs: the
- * scales are gathered and decoded 16 columns at a time, lanes already the columns (no
- * per-column decode and no 16 x 16 transposes: ~100 instructions instead of ~460), and a
- * column's bytes are decoded 128 at a time from one 64-byte load with no per-column type
- * dispatch. Q4_K's 64-byte runs of nibbles hold sub-blocks (0, 2) in their low nibbles and
- * (1, 3) in their high ones, so the row's int8 x is laid out once per call in that order
- * (q4k_order); Q6_K's runs are in input order. */
-
-/* A whole panel's rows as one run of a Q4_K or Q6_K segment: its first row (NULL if not). */
-static inline const uint8_t* panel_run(const kvg_qweight* w, int64_t n0, int cols, int* type,
-                                       int64_t* rb) {
-    if (cols != PANEL) return NULL;
-    for (int s = 0; s < w->nsegs; ++s) {
-        const kvg_qseg* g = &w->segs[s];
-        if (n0 < g->rows) {
-            if (n0 + PANEL > g->rows || (g->type != T_Q4_K && g->type != T_Q6_K)) return NULL;
-            *type = g->type;
-            *rb = g->row_bytes;
-            return g->data + n0 * g->row_bytes;
-        }
-        n0 -= g->rows;
-    }
-    return NULL;
-}
-
-/* Byte b (0-3) of every dword of v, zero-extended. */
-static inline __m512i byte_of(__m512i v, int b) {
-    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
-}
-
-/* 16 half floats (the low 16 bits of each dword of v) -> float32. */
-static inline __m512 half_lanes(__m512i v) {
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
-}
-
-/* decode_scales256 of one 256-input block of 16 rows at once (blk: row 0's block; row c's at
- * + offs[c]), lanes the rows: ws, wo [16 groups][16]. */
-static inline void run_scales(const uint8_t* blk, __m512i offs, int type, float* ws, float* wo) {
-    const __m512 zero = _mm512_setzero_ps();
-    if (type == T_Q4_K) {
-        const __m512i g0 = _mm512_i32gather_epi32(offs, blk, 1);
-        const __m512i a = _mm512_i32gather_epi32(offs, blk + 4, 1);
-        const __m512i b = _mm512_i32gather_epi32(offs, blk + 8, 1);
-        const __m512i c = _mm512_i32gather_epi32(offs, blk + 12, 1);
-        const __m512 d = half_lanes(g0), dmin = half_lanes(_mm512_srli_epi32(g0, 16));
-        const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f);
-        const __m512i top = _mm512_set1_epi32(0x30303030);
-        /* k_scales, 16 rows at a time */
-        const __m512i sc[2] = {
-            _mm512_and_si512(a, six),
-            _mm512_or_si512(_mm512_and_si512(c, four), _mm512_and_si512(_mm512_srli_epi32(a, 2), top))};
-        const __m512i mn[2] = {
-            _mm512_and_si512(b, six),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), four),
-                            _mm512_and_si512(_mm512_srli_epi32(b, 2), top))};
-        for (int j = 0; j < 8; ++j) {
-            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_of(sc[j / 4], j % 4)));
-            const __m512 o = _mm512_sub_ps(
-                zero, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_of(mn[j / 4], j % 4))));
-            _mm512_store_ps(ws + (2 * j) * PANEL, s);
-            _mm512_store_ps(ws + (2 * j + 1) * PANEL, s);
-            _mm512_store_ps(wo + (2 * j) * PANEL, o);
-            _mm512_store_ps(wo + (2 * j + 1) * PANEL, o);
-        }
-    } else { /* Q6_K: 16 int8 scales at 192, f16 d at 208 */
-        const __m512 d = half_lanes(_mm512_srli_epi32(_mm512_i32gather_epi32(offs, blk + 206, 1), 16));
-        const __m512 z = _mm512_set1_ps(-32.0f);
-        for (int i = 0; i < 4; ++i) {
-            const __m512i v = _mm512_i32gather_epi32(offs, blk + 192 + 4 * i, 1);
-            for (int b = 0; b < 4; ++b) {
-                const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
-                const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                _mm512_store_ps(ws + (4 * i + b) * PANEL, s);
-                _mm512_store_ps(wo + (4 * i + b) * PANEL, _mm512_mul_ps(z, s));
-            }
-        }
-    }
-}
-
-/* x [Kp] in Q4_K's nibble order: per 128 inputs, 0-31, 64-95 (the low nibbles of a 64-byte
- * run), then 32-63, 96-127 (the high ones). */
-static void q4k_order(const int8_t* x, int64_t K, int8_t* out) {
-    for (int64_t k = 0; k < K; k += 128) {
-        memcpy(out + k, x + k, 32);
-        memcpy(out + k + 32, x + k + 64, 32);
-        memcpy(out + k + 64, x + k + 32, 32);
-        memcpy(out + k + 96, x + k + 96, 32);
-    }
-}
-
-/* Inputs [128 h, 128 h + 128) of a block (blk) as unsigned bytes, in two registers of 4
- * groups of 16: the first (!upper; Q4_K: groups 8h + 0, 1, 4, 5 of the block, Q6_K: 8h +
- * 0..3) or the second (Q4_K: 8h + 2, 3, 6, 7; Q6_K: 8h + 4..7). */
-static inline __m512i run_decode(const uint8_t* blk, int type, int h, int upper) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    if (type == T_Q4_K) {
-        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
-        return _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, m4);
-    }
-    /* Q6_K: ql[64 h + i] holds inputs 128 h + i (low nibble) and 128 h + 64 + i (high); the
-     * high pair of input 128 h + 32 s + l is bits 2s, 2s + 1 of qh[32 h + l], wanted at bits
-     * 4-5: shifted left 4 and 2 for s = 0, 1 (the first register's halves), right 0 and 2
-     * for s = 2, 3 (the second's); 16-bit shifts, the bits crossing bytes masked off */
-    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
-    const __m512i q =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
-    const __m512i b45 = _mm512_set1_epi8(0x30);
-    const __m512i high =
-        upper ? _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1))
-              : _mm512_sllv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
-    /* (low & 0x0F) | (high & 0x30) */
-    return _mm512_ternarylogic_epi32(upper ? _mm512_srli_epi16(l, 4) : l, m4,
-                                     _mm512_and_si512(high, b45), 0xEA);
 }
 
 /* reduce_groups' first two steps for the products of 4 rows (u0..u3): lane 4g + j of the
