@@ -26,8 +26,9 @@ if os.environ.get("CI"):
 def _usage_db(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Servers built without a usage_db write their usage ledger here, not in $HOME."""
     os.environ["KVGATE_USAGE_DB"] = str(tmp_path_factory.mktemp("usage") / "usage.sqlite3")
-    # ... and their files and vector stores here.
+    # ... and their files and vector stores here, and the digests of the weights they load.
     os.environ["KVGATE_DATA_DIR"] = str(tmp_path_factory.mktemp("kvgate-data"))
+    os.environ["KVGATE_DIGEST_CACHE"] = str(tmp_path_factory.mktemp("digests"))
 
 
 @pytest.fixture(scope="session")
