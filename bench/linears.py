@@ -1,6 +1,8 @@
 """GFLOP/s of the four linears of a SmolLM2 layer, per weight format and row count.
 
-Each native path (bf16 weights, int8 per channel, int8 in blocks of 32) against PyTorch's
+Each native path (bf16 weights; int8 per channel and in blocks of 32 with x as int16, the
+``WidenLinear`` path; int8 as Q8_0 blocks with x as int8 per 32 inputs, the W8A8 ``QuantLinear``
+path that ``--quantization int8`` takes where ``qlinear.c`` is built) against PyTorch's
 float32 ``F.linear`` (MKL) on the same shapes, measured in the same run; random weights
 (speed does not depend on the values). The weights' GB/s is printed for one row, where
 decode is bound by reading them.
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.model import cpu_isa
-from kvgate.model.cpu_kernels import load_linear_lib
+from kvgate.model.cpu_kernels import load_linear_lib, load_quant_lib
 from kvgate.model.linear import LinearFactory
 
 #: (out, in) of SmolLM2-135M's qkv, o, gate_up and down projections.
@@ -52,6 +54,17 @@ def main() -> None:
         factory = LinearFactory.for_device(torch.bfloat16, torch.device("cpu"), lib, quant)
         layers = [factory(w, None) for w in weights]
         paths[name] = (torch.bfloat16, list(layers), sum(x.weight_bytes() for x in layers))
+    quant_lib = load_quant_lib(level)
+    if quant_lib is not None:
+        factory = LinearFactory.for_device(
+            torch.bfloat16, torch.device("cpu"), lib, "int8", quant=quant_lib
+        )
+        layers = [factory(w, None) for w in weights]
+        paths["int8 W8A8 (Q8_0)"] = (
+            torch.bfloat16,
+            list(layers),
+            sum(x.weight_bytes() for x in layers),
+        )
     fp32 = [lambda x, w=w: F.linear(x, w) for w in weights]
     paths["float32 (torch)"] = (torch.float32, fp32, sum(w.numel() * 4 for w in weights))
     print(f"{'rows':>5} | " + " | ".join(f"{name:>16}" for name in paths))

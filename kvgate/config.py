@@ -78,9 +78,9 @@ class EngineConfig:
     #: ``auto``: bfloat16 where a native bf16 linear exists for this CPU (or on a GPU), else
     #: float32 (``model/precision.py``).
     dtype: str = "auto"
-    #: None: weights in ``dtype``; ``"int8"``: weight-only int8 linear layers, per output
-    #: channel scales (half the bytes of bf16 per decoded token); ``"int8-b32"``: int8 with a
-    #: scale per block of 32 inputs, as llama.cpp's Q8_0 (``model/linear.py``).
+    #: None: weights in ``dtype``; ``"int8"`` (or its synonym ``"int8-b32"``): int8 linear
+    #: layers, the weights made Q8_0 blocks at load (a scale per 32 inputs; about half the
+    #: bytes of bf16 per decoded token) on the W8A8 block kernels (``model/linear.py``).
     quantization: str | None = None
     #: A GGUF's block-quantized matrices (Q4_K, Q6_K, Q8_0, ...): ``auto`` keeps them in
     #: their blocks (native kernels, ``model/quant_linear.py``) under ``dtype auto`` where the

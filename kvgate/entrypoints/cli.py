@@ -45,8 +45,9 @@ def _engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) ->
         "--quantization",
         default=None,
         choices=["int8", "int8-b32"],
-        help="weight-only int8 linear layers, half of bf16's bytes per token: int8 with a "
-        "scale per output channel, int8-b32 with one per block of 32 inputs (as Q8_0)",
+        help="int8 linear layers, about half of bf16's bytes per token: the weights made "
+        "Q8_0 blocks at load (a scale per 32 inputs) on the W8A8 block kernels, x quantized "
+        "to int8 per 32 inputs; int8-b32 is a synonym",
     )
     g.add_argument(
         "--gguf-blocks",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["NATIVE_QTYPES", "QuantTensor", "dequantize_blocks"]
+__all__ = ["NATIVE_QTYPES", "QuantTensor", "dequantize_blocks", "quantize_q8_0"]
 
 #: The block formats ``csrc/qlinear.c`` multiplies natively (GGML's enum values).
 NATIVE_QTYPES = frozenset(
@@ -103,3 +103,25 @@ class QuantTensor:
         """Rows ``index`` (a permutation, or a subset), copied out of the map."""
         rows = self.data.index_select(0, index)
         return QuantTensor(self.qtype, (int(index.numel()), self.shape[1]), rows, self.name)
+
+
+def quantize_q8_0(weight: torch.Tensor, name: str) -> QuantTensor:
+    """Dense weights [N, K] (K a multiple of 32) -> Q8_0 blocks ([d: f16][32 x int8] per 32
+    inputs of each row), for ``--quantization int8`` on a bf16 / float32 checkpoint: the
+    layers then run on the same W8A8 kernels as a GGUF's Q8_0 tensors.
+
+    d = max |w| / 127 of the block, rounded to float16 first, and q = round(w / d) with that
+    stored d (clamped to +-127: the rounding of d may shrink it by half an ulp), so the
+    blocks stand for exactly the values the kernels multiply. An all-zero block has d = 0.
+    """
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"tensor {name!r}: Q8_0 needs inputs in blocks of 32, got {k}")
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    d = (w.abs().amax(dim=2, keepdim=True) / 127.0).to(torch.float16)
+    safe = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    q = torch.round(w / safe).clamp_(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=2)  # [N, K/32, 34]
+    return QuantTensor(
+        GGMLQuantizationType.Q8_0, (n, k), blocks.reshape(n, k // 32 * 34).contiguous(), name
+    )

@@ -1,6 +1,10 @@
-"""Weight-only int8 on the real SmolLM2: perplexity on a fixed public English text within 2% of
-bf16 (per-channel scales) or 0.5% (blocks of 32), and how often greedy decoding agrees with
-bf16 (reported)."""
+"""int8 weights (``--quantization``) on the real SmolLM2: perplexity on a fixed public English
+text within 1% of bf16, and how often greedy decoding agrees with bf16 (reported). Where the
+block kernels are built, ``int8`` and ``int8-b32`` both run the weights as Q8_0 blocks on the
+W8A8 kernels (x quantized to int8 per 32 inputs); measured on the AMD EPYC (Zen 4): +0.64% (the
+former int16-activation ``WidenLinear`` path: +1.40% with a scale per channel, -0.05% per 32
+inputs, ``bench/results/earlier-amd-epyc-avx2-linears.md``); without them
+(``KVGATE_DISABLE_KERNELS`` or no compiler) the rounded weights on PyTorch."""
 
 from __future__ import annotations
 
@@ -49,9 +53,9 @@ def bf16_perplexity(smollm2_gguf_path: Path, text_ids: list[int]) -> float:
     return ppl
 
 
-#: Most an int8 format's perplexity may exceed bf16's: the issue's 2% for per-channel scales;
-#: blocks of 32 measured lossless (within 0.2% in float32), so they get a tighter bound.
-@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.02), ("int8-b32", 0.005)])
+#: Most the W8A8 path's perplexity may exceed bf16's: 1%, the bound the block kernels meet on
+#: the Qwen file against float32 (tests/e2e/test_qwen_native.py).
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.01), ("int8-b32", 0.01)])
 def test_int8_perplexity_close_to_bf16(
     smollm2_gguf_path: Path,
     text_ids: list[int],
@@ -60,7 +64,7 @@ def test_int8_perplexity_close_to_bf16(
     bound: float,
 ) -> None:
     engine = _engine(smollm2_gguf_path, quantization)
-    assert engine.build_info["linear"].startswith(f"{quantization}-")
+    assert engine.build_info["linear"].startswith(f"{quantization}-Q8_0-")
     ppl = perplexity(engine, text_ids, WINDOW)
     change = ppl / bf16_perplexity - 1
     print(f"\nperplexity on {len(text_ids)} tokens: bf16 {bf16_perplexity:.3f}, "

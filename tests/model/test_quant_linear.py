@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 from kvgate.model.cpu_kernels import KernelLibrary, load_quant_lib
 from kvgate.model.linear import BF16_DOT_ISAS, LinearFactory, LogitsHead, _log_fallback
 from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, native_qtype
-from kvgate.model.quant_tensor import QuantTensor
+from kvgate.model.quant_tensor import QuantTensor, quantize_q8_0
 from tests.model.isa import vector_levels
 from tests.model.quant_blocks import QTYPES, quantize_activations, random_quant
 
@@ -364,3 +364,48 @@ def test_the_factory_keeps_native_blocks_and_dequantizes_the_rest(
     assert len(warnings) == 1 and "dequantized at load" in warnings[0].getMessage()
     both = torch.cat([parts[0].dequantize(), q2k.dequantize()])
     assert torch.equal(mixed(x), native(both, None)(x))
+
+
+@levels
+@pytest.mark.parametrize("qtype", [t for t in QTYPES if not t.name.endswith("_K")],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_a_row_alone_equals_its_batch_with_a_32_input_tail(
+    level: str, qtype: GGMLQuantizationType
+) -> None:
+    """The one-row path of whole panels of a 32-input type (scales gathered 16 rows at a
+    time, Q8_0's bytes read straight from the blocks) against the batched panels, with K % 64
+    == 32 (the last block alone) and 48 outputs (three whole panels): bit-identical."""
+    lib = _library(level)
+    k, m = 1056, 6
+    lin = QuantLinear([random_quant(qtype, 48, k, seed=11)], None, lib, io_dtype=torch.float32)
+    x = _inputs(m, k, seed=12)
+    batch = lin(x)
+    for i in range(m):
+        assert torch.equal(lin(x[i : i + 1]), batch[i : i + 1])
+
+
+@levels
+@pytest.mark.parametrize("quantization", ["int8", "int8-b32"])
+def test_int8_quantization_runs_dense_weights_as_q8_0_blocks(level: str, quantization: str) -> None:
+    """``--quantization int8`` on a float checkpoint: each layer's weights become Q8_0 blocks
+    at load and run on the W8A8 block kernels (the same layer a GGUF's Q8_0 tensor gets);
+    inputs that are not whole blocks of 32 keep the int8 ``WidenLinear`` path."""
+    lib = _library(level)
+    torch.manual_seed(21)
+    w, bias = torch.randn(40, 96), torch.randn(40)
+    factory = LinearFactory.for_device(torch.bfloat16, CPU, None, quantization, quant=lib)
+    layer = factory(w, bias)
+    assert isinstance(layer, QuantLinear) and layer.qtypes == ("Q8_0",)
+    blocks = quantize_q8_0(w, "w")
+    x = _inputs(3, 96, seed=22).to(torch.bfloat16)
+    assert torch.equal(layer(x), QuantLinear([blocks], bias, lib, io_dtype=torch.bfloat16)(x))
+    isa = "avx512vnni" if lib.isa in BF16_DOT_ISAS else "avx2"
+    assert factory.path == f"{quantization}-Q8_0-{isa}"
+    head = factory.logits(w)
+    assert isinstance(head.layer, QuantLinear) and head.layer.float32_out
+    # the fused q, k, v of a layer: one Q8_0 layer over the stacked rows
+    fused = factory.fused([w[:16], w[16:]], None)
+    assert isinstance(fused, QuantLinear)
+    assert torch.equal(fused(x), QuantLinear([blocks], None, lib, io_dtype=torch.bfloat16)(x))
+    odd = factory(torch.randn(8, 40), None)  # 40 inputs: not whole blocks
+    assert not isinstance(odd, QuantLinear)

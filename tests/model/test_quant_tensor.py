@@ -97,3 +97,23 @@ def test_take_rows_gives_those_rows_values(qtype: GGMLQuantizationType) -> None:
         assert torch.equal(rows.dequantize(), everything[index])
         # copied out (of the file's map, in the loader): the source's bytes are not shared
         assert rows.data.untyped_storage().data_ptr() != t.data.untyped_storage().data_ptr()
+
+
+def test_dense_weights_quantize_to_q8_0_blocks_within_half_a_step() -> None:
+    """``quantize_q8_0`` (``--quantization int8``): GGUF's Q8_0 layout (gguf-py reads the
+    bytes back to the same values), each weight within half a step of its block's stored
+    float16 scale, an all-zero block zero, and K not a multiple of 32 refused."""
+    from kvgate.model.quant_tensor import quantize_q8_0
+
+    w = torch.randn(6, 96) * 3
+    w[2, 32:64] = 0.0
+    t = quantize_q8_0(w, "blk.0.w")
+    assert t.qtype == GGMLQuantizationType.Q8_0 and t.data.shape == (6, 3 * 34)
+    values = t.dequantize()
+    np.testing.assert_array_equal(values.numpy(), dequantize(t.data.numpy(), t.qtype))
+    d = torch.from_numpy(t.data.numpy().reshape(6, 3, 34)[:, :, :2].copy().view(np.float16))
+    step = d.float().repeat_interleave(32, dim=-1).reshape(6, 96)
+    assert ((values - w).abs() <= step / 2 + 1e-6).all()
+    assert (values[2, 32:64] == 0).all()
+    with pytest.raises(ValueError, match=r"blk\.0\.w"):
+        quantize_q8_0(torch.randn(2, 40), "blk.0.w")

@@ -665,6 +665,27 @@ static inline const uint8_t* panel_run(const kvg_qweight* w, int64_t n0, int col
     return NULL;
 }
 
+/* A whole panel's rows as one run of a segment of a 32-input block type (Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1): its first row, or NULL. Such a panel's scales are gathered 16 rows at a time
+ * per block (scales32) instead of decoded row by row and transposed (panel_scales: per 256
+ * inputs 16 x 8 scalar half-float reads and two 16 x 16 transposes, which made one row of
+ * Q8_0 5x slower than the int8 WidenLinear on SmolLM2's and Qwen's shapes). */
+static inline const uint8_t* panel_run32(const kvg_qweight* w, int64_t n0, int cols, int* type,
+                                         int64_t* rb) {
+    if (cols != PANEL) return NULL;
+    for (int s = 0; s < w->nsegs; ++s) {
+        const kvg_qseg* g = &w->segs[s];
+        if (n0 < g->rows) {
+            if (n0 + PANEL > g->rows || block_inputs(g->type) != 32) return NULL;
+            *type = g->type;
+            *rb = g->row_bytes;
+            return g->data + n0 * g->row_bytes;
+        }
+        n0 -= g->rows;
+    }
+    return NULL;
+}
+
 /* Byte b (0-3) of every dword of v, zero-extended. */
 static inline __m512i byte_of(__m512i v, int b) {
     return _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
@@ -716,6 +737,21 @@ static inline void run_scales(const uint8_t* blk, __m512i offs, int type, float*
                 _mm512_storeu_ps(wo + (4 * i + b) * PANEL, _mm512_mul_ps(z, s));
             }
         }
+    }
+}
+
+/* decode_scales256's values for one 32-input block of the 16 rows of a panel_run32 run, lanes
+ * the rows (blk: row 0's block, row c's at + offs[c]): the scale d and the offset (the min
+ * of Q4_1 / Q5_1, else -zp d), the same float32 values. */
+static inline void scales32(const uint8_t* blk, __m512i offs, int type, __m512* sc, __m512* of) {
+    const __m512i g = _mm512_i32gather_epi32(offs, blk, 1); /* d (and m) at the block's head */
+    const __m512 d = half_lanes(g);
+    *sc = d;
+    if (type == T_Q4_1 || type == T_Q5_1) {
+        *of = half_lanes(_mm512_srli_epi32(g, 16));
+    } else {
+        const float zp = type == T_Q4_0 ? 8.0f : type == T_Q8_0 ? 128.0f : 16.0f;
+        *of = _mm512_mul_ps(_mm512_set1_ps(-zp), d);
     }
 }
 
@@ -1129,6 +1165,13 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
                 store_one(y, n0 + c, out[c] + (bias ? bias[n0 + c] : 0.0f), f32);
             continue;
         }
+        int type32;
+        int64_t rb32;
+        const uint8_t* run32 = panel_run32(w, n0, cols, &type32, &rb32); /* all lanes per32 */
+        const int bs32 = run32 ? block_bytes(type32) : 0;
+        const __m512i offs32 = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32((int)rb32));
         const unsigned lanes32 = panel_per32(w, n0, cols);
         /* per32: the panel's float steps per 32 inputs (all lanes), or both kinds (acc per 16
          * inputs, acc32 per 32, blended at the end) */
@@ -1136,13 +1179,36 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
         __m512 acc = _mm512_setzero_ps(), acc32 = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
             prefetch_step(&pf);
-            if (k0 % 256 == 0) panel_scales(&pr, k0, K, ws, wo);
+            if (!run32 && k0 % 256 == 0) panel_scales(&pr, k0, K, ws, wo);
             const __m512i xv = _mm512_loadu_si512(a->xq + k0);
             __m512i prod[16], sums[4];
-            for (int c = 0; c < PANEL; ++c)
-                prod[c] = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(),
-                    decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64), xv);
+            if (run32 && type32 == T_Q8_0 && K - k0 >= 64) { /* two whole blocks per row */
+                const uint8_t* blk = run32 + k0 / 32 * 34 + 2;
+                const __m512i flip = _mm512_set1_epi8((char)0x80);
+                for (int c = 0; c < PANEL; ++c, blk += rb32) {
+                    const __m512i q = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)blk)),
+                        _mm256_loadu_si256((const __m256i*)(blk + 34)), 1);
+                    prod[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                  _mm512_xor_si512(q, flip), xv);
+                }
+            } else {
+                for (int c = 0; c < PANEL; ++c)
+                    prod[c] = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64), xv);
+            }
+            if (run32) { /* the two blocks' scales, gathered once their rows' lines are in
+                          * (zeros past K, as decoded) */
+                const __m512 zero = _mm512_setzero_ps();
+                for (int i = 0; i < 2; ++i) {
+                    const int64_t g = k0 / 16 + 2 * i;
+                    __m512 sc = zero, of = zero;
+                    if (k0 + 32 * i < K) scales32(run32 + (k0 / 32 + i) * bs32, offs32, type32, &sc, &of);
+                    _mm512_store_ps(ws + (g % 16) * PANEL, sc);
+                    _mm512_store_ps(wo + (g % 16) * PANEL, of);
+                }
+            }
             reduce_groups(prod, sums);
             if (both) /* the per-32 steps beside the per-16 ones below */
                 for (int i = 0; i < 2; ++i) {
