@@ -11,6 +11,7 @@ must read every weight once, so tokens/s <= copy bandwidth / weight bytes.
     python bench/throughput.py                 # 1, 8, 32, 64 sequences, --dtype auto
     python bench/throughput.py --concurrency 32 --dtype float32
     python bench/throughput.py --concurrency 1 32 --quantization int8
+    python bench/throughput.py --concurrency 1 32 --gguf-blocks native   # SmolLM2's Q4_1 blocks
     python bench/throughput.py --model gemma3-270m --concurrency 1 8 32
 """
 
@@ -122,6 +123,12 @@ def main() -> None:
         choices=["int8", "int8-b32"],
         help="kvgate's weights (transformers stays on the compute dtype)",
     )
+    ap.add_argument(
+        "--gguf-blocks",
+        default="auto",
+        choices=["auto", "native", "dequantize"],
+        help="kvgate's --gguf-blocks: a GGUF's quantized matrices in their blocks or not",
+    )
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -147,6 +154,7 @@ def main() -> None:
         a.model,
         dtype=a.dtype,
         quantization=a.quantization,
+        gguf_blocks=a.gguf_blocks,
         kv_cache_memory="2GiB",
         max_num_seqs=128,
         max_num_batched_tokens=1024,

@@ -755,6 +755,67 @@ static inline void scales32(const uint8_t* blk, __m512i offs, int type, __m512* 
     }
 }
 
+/* 64 inputs [k0, k0 + 64) of each of the 16 rows of a panel_run32 run (blk: row 0's first
+ * block of them, rows rb apart) as decode64_regs gives them (the same bytes), with the type a
+ * constant at each call site (always inlined: no per-row dispatch). half: only the first
+ * block (the row ends there), the second 32 bytes zero. */
+static inline __attribute__((always_inline)) void decode_pairs(const uint8_t* blk, int64_t rb,
+                                                               const int type, const int half,
+                                                               __m512i r[16]) {
+    const int bs = block_bytes(type);
+    for (int c = 0; c < PANEL; ++c, blk += rb) {
+        __m256i lo, hi = _mm256_setzero_si256();
+        if (type == T_Q8_0) {
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)), flip);
+            if (!half)
+                hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + bs + 2)), flip);
+        } else { /* Q4_0, Q4_1 */
+            const int head = type == T_Q4_1 ? 4 : 2;
+            lo = nibbles16(blk + head);
+            if (!half) hi = nibbles16(blk + bs + head);
+        }
+        r[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+}
+
+/* decode_pairs for any type it specializes (Q8_0, Q4_0, Q4_1): 1 if done. */
+static inline int decode_pairs_any(const uint8_t* blk, int64_t rb, int type, int half,
+                                   __m512i r[16]) {
+    if (type == T_Q8_0) {
+        if (half) decode_pairs(blk, rb, T_Q8_0, 1, r); else decode_pairs(blk, rb, T_Q8_0, 0, r);
+    } else if (type == T_Q4_0) {
+        if (half) decode_pairs(blk, rb, T_Q4_0, 1, r); else decode_pairs(blk, rb, T_Q4_0, 0, r);
+    } else if (type == T_Q4_1) {
+        if (half) decode_pairs(blk, rb, T_Q4_1, 1, r); else decode_pairs(blk, rb, T_Q4_1, 0, r);
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+/* The two blocks' scales of inputs [k0, k0 + 64) of a panel_run32 run into ws, wo [groups][16]
+ * (g = k0 / 16 .. + 3, the same value for both groups of a block; zeros past K, as decoded).
+ * at: where group k0 / 16 goes. */
+static inline void scales_pair32(const uint8_t* run, __m512i offs, int type, int64_t k0, int64_t K,
+                                 float* ws_at, float* wo_at) {
+    const int bs = block_bytes(type);
+    for (int i = 0; i < 2; ++i) {
+        __m512 sc = _mm512_setzero_ps(), of = _mm512_setzero_ps();
+        if (k0 + 32 * i < K) scales32(run + (k0 / 32 + i) * bs, offs, type, &sc, &of);
+        for (int j = 0; j < 2; ++j) {
+            _mm512_storeu_ps(ws_at + (2 * i + j) * PANEL, sc);
+            _mm512_storeu_ps(wo_at + (2 * i + j) * PANEL, of);
+        }
+    }
+}
+
+static inline __m512i row_offsets(int64_t rb) {
+    return _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)rb));
+}
+
 /* x [Kp] in Q4_K's nibble order: per 128 inputs, 0-31, 64-95 (the low nibbles of a 64-byte
  * run), then 32-63, 96-127 (the high ones). */
 static void q4k_order(const int8_t* x, int64_t K, int8_t* out) {
@@ -837,12 +898,20 @@ static int decode_panel(const kvg_qweight* w, int64_t n0, int cols, int64_t N, i
         decode_run(run, rb, type, K, &pf, qi, ws, wo);
         return 0;
     }
+    /* a run of a 32-input type: decoded without per-row dispatch, scales gathered */
+    const uint8_t* run32 = panel_run32(w, n0, cols, &type, &rb);
+    const __m512i offs = row_offsets(run32 ? rb : 0);
     for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
         prefetch_step(&pf);
-        if (k0 % 256 == 0) panel_scales(&pr, k0, K, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
         __m512i r[16];
-        for (int c = 0; c < PANEL; ++c)
-            r[c] = decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64);
+        const int half = K - k0 < 64;
+        if (run32 && decode_pairs_any(run32 + k0 / 32 * block_bytes(type), rb, type, half, r)) {
+            scales_pair32(run32, offs, type, k0, K, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
+        } else {
+            if (k0 % 256 == 0)
+                panel_scales(&pr, k0, K, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
+            for (int c = 0; c < PANEL; ++c) r[c] = decode64_zmm(pr.rows[c], pr.types[c], k0, half);
+        }
         transpose16_regs(r, qi + k0 / 4 * PANEL, PANEL);
     }
     return 0;
@@ -1169,9 +1238,7 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
         int64_t rb32;
         const uint8_t* run32 = panel_run32(w, n0, cols, &type32, &rb32); /* all lanes per32 */
         const int bs32 = run32 ? block_bytes(type32) : 0;
-        const __m512i offs32 = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32((int)rb32));
+        const __m512i offs32 = row_offsets(run32 ? rb32 : 0);
         const unsigned lanes32 = panel_per32(w, n0, cols);
         /* per32: the panel's float steps per 32 inputs (all lanes), or both kinds (acc per 16
          * inputs, acc32 per 32, blended at the end) */
@@ -1182,22 +1249,11 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
             if (!run32 && k0 % 256 == 0) panel_scales(&pr, k0, K, ws, wo);
             const __m512i xv = _mm512_loadu_si512(a->xq + k0);
             __m512i prod[16], sums[4];
-            if (run32 && type32 == T_Q8_0 && K - k0 >= 64) { /* two whole blocks per row */
-                const uint8_t* blk = run32 + k0 / 32 * 34 + 2;
-                const __m512i flip = _mm512_set1_epi8((char)0x80);
-                for (int c = 0; c < PANEL; ++c, blk += rb32) {
-                    const __m512i q = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)blk)),
-                        _mm256_loadu_si256((const __m256i*)(blk + 34)), 1);
-                    prod[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                  _mm512_xor_si512(q, flip), xv);
-                }
-            } else {
-                for (int c = 0; c < PANEL; ++c)
-                    prod[c] = _mm512_dpbusd_epi32(
-                        _mm512_setzero_si512(),
-                        decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64), xv);
-            }
+            __m512i q[16];
+            if (!(run32 && decode_pairs_any(run32 + k0 / 32 * bs32, rb32, type32, K - k0 < 64, q)))
+                for (int c = 0; c < PANEL; ++c) q[c] = decode64_zmm(pr.rows[c], pr.types[c], k0, K - k0 < 64);
+            for (int c = 0; c < PANEL; ++c)
+                prod[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], xv);
             if (run32) { /* the two blocks' scales, gathered once their rows' lines are in
                           * (zeros past K, as decoded) */
                 const __m512 zero = _mm512_setzero_ps();
