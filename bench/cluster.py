@@ -9,8 +9,9 @@ routing against load-only routing, and the time from an injected canary fault to
    pools each hold about half the documents: routed by prefix affinity, then by load alone
    (``least_loaded``: the least busy replica, as Ray's default router would pick). Hit
    rate = prefix-cache hits / queries over both replicas (their /metrics, before/after).
-3. Rollback: a canary with ``--fault errors=0.5`` takes 50% of steady traffic; reported:
-   seconds from its first request to the rollback decision, and to its last response.
+3. Rollback: a canary injecting ``errors=0.5`` (the controller's ``fault``) takes 50% of
+   steady traffic; reported: seconds from its first request to the rollback decision, and
+   to its last response.
 
     python bench/cluster.py                       # all three
     python bench/cluster.py --only prefix --docs 8
@@ -191,9 +192,7 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
     from kvgate.cluster.controller import CONTROLLER
     from kvgate.cluster.state import NAMESPACE
 
-    print(
-        "\n== rollback: canary with --fault errors=0.5, steps 50,100, interval 30 s ==", flush=True
-    )
+    print("\n== rollback: canary with fault errors=0.5, steps 50,100, interval 30 s ==", flush=True)
     golden = Path(data) / "golden.jsonl"
     golden.write_text(
         '{"prompt": "What is the capital of France? Answer in one word.", "expect": "Paris"}\n'
@@ -221,7 +220,7 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
             t.start()
         ray.get(
             controller.start.remote(
-                ["--model", "smollm2", "--max-model-len", "2048", "--fault", "errors=0.5"],
+                ["--model", "smollm2", "--max-model-len", "2048"],
                 [50, 100],
                 30.0,
                 [
@@ -235,6 +234,7 @@ def bench_rollback(args: argparse.Namespace, data: str) -> None:
                         "expect": "Paris",
                     }
                 ],
+                fault="errors=0.5",  # the canary's replicas answer half their requests 500
             )
         )
         while ray.get(controller.status.remote())["state"] in ("loading", "progressing"):

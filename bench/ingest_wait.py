@@ -2,7 +2,7 @@
 
     PYTHONPATH=<tree> python bench/ingest_wait.py [--scenario docx,pdf,many] [--give-up 180]
 
-The documents service alone (kvgate/docs, the e5 embedder, a SQLite store in a temporary
+The documents service alone (kvgate/retrieval, the e5 embedder, a SQLite store in a temporary
 folder): beta queues its files, then alpha queues one 38-byte file into a store of its
 own; printed is alpha's wait, from its queueing to its ``completed``, and how each of
 beta's files ended. Scenarios: ``docx`` (a 10-million-character .docx), ``pdf`` (99,000
@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvgate.docs.retrieval import E5Embedder
-from kvgate.docs.service import DocsService
-from kvgate.docs.store import DocStore
+from kvgate.retrieval.retrieval import E5Embedder
+from kvgate.retrieval.service import DocsService
+from kvgate.retrieval.store import DocStore
 
 _HEAVY = Path(__file__).resolve().parents[1] / "tests" / "docs" / "heavy_files.py"
 
 
 def _heavy() -> object:
-    """tests/docs/heavy_files.py of this tree, whichever kvgate is imported."""
+    """tests/retrieval/heavy_files.py of this tree, whichever kvgate is imported."""
     spec = importlib.util.spec_from_file_location("heavy_files", _HEAVY)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

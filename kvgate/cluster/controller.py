@@ -120,6 +120,7 @@ class RolloutController:
         self._task: asyncio.Task[None] | None = None
         self._apps = 1
         self._canary_argv: list[str] = []
+        self._canary_fault = ""
         self._deleting: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ the ingress's side
@@ -176,10 +177,12 @@ class RolloutController:
         key: str | None = None,
         limits: dict[str, Any] | None = None,
         replicas: int = 1,
+        fault: str = "",
     ) -> dict[str, Any]:
         """Deploy the canary (``model_argv``: ``--model NEW`` and any serve options that
         differ from stable's) and start moving traffic; returns the status. Raises
-        ``InvalidConfig`` for a bad plan and when a rollout is under way."""
+        ``InvalidConfig`` for a bad plan and when a rollout is under way. ``fault``: faults
+        the canary's replicas inject (``replica.Fault``), for trying a rollback."""
         from kvgate.errors import InvalidConfig
 
         plan = Plan(tuple(steps), float(interval_s), Limits(**(limits or {})))
@@ -203,6 +206,7 @@ class RolloutController:
         self.canary_app = f"{ENGINE}-{self._apps}"
         argv = [*without_flag(self.stable_argv, "--model"), *model_argv]
         self._canary_argv = argv
+        self._canary_fault = fault
         if STABLE not in self.versions:
             try:
                 self.versions[STABLE] = await self._version(self.stable_app, key)
@@ -287,7 +291,7 @@ class RolloutController:
 
         from kvgate.cluster.app import ClusterSpec, engine_application
 
-        spec = ClusterSpec(tuple(argv), replicas, **self.spec)
+        spec = ClusterSpec(tuple(argv), replicas, **{**self.spec, "fault": self._canary_fault})
         await asyncio.wait_for(
             asyncio.to_thread(
                 serve.run, engine_application(spec), name=app_name, route_prefix=None

@@ -33,7 +33,8 @@ log = logging.getLogger("kvgate.cluster")
 
 @dataclass(frozen=True)
 class Fault:
-    """Faults injected on purpose (``--fault``), to see a rollout roll back."""
+    """Faults injected on purpose, to see a rollout roll back: ``ClusterSpec.fault`` (tests
+    and ``bench/cluster.py`` set it through the rollout controller), not a served flag."""
 
     errors: float = 0.0  # fraction of API requests answered 500
     latency_s: float = 0.0  # added before each request
@@ -48,13 +49,11 @@ class Fault:
         for item in spec.split(","):
             name, _, value = item.partition("=")
             if name.strip() not in ("errors", "latency"):
-                raise InvalidConfig(
-                    f"--fault: unknown {name!r} (errors=F, latency=S)", param="fault"
-                )
+                raise InvalidConfig(f"fault: unknown {name!r} (errors=F, latency=S)", param="fault")
             try:
                 values[name.strip()] = float(value)
             except ValueError:
-                raise InvalidConfig(f"--fault: {item!r} needs a number", param="fault") from None
+                raise InvalidConfig(f"fault: {item!r} needs a number", param="fault") from None
         return cls(values.get("errors", 0.0), values.get("latency", 0.0))
 
 
@@ -65,31 +64,23 @@ METRICS_PUSH_S = 2.0
 
 class EngineReplica:
     """``argv``: ``kvgate serve``'s arguments for this replica's server (its port and host
-    unused); ``rates_unreachable``: ``open`` or ``closed`` (see ``state.py``)."""
+    unused); ``rates_unreachable``: ``open`` or ``closed`` (see ``state.py``); ``fault``:
+    see :class:`Fault`."""
 
     async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
-        self, argv: Sequence[str], rates_unreachable: str = "open"
+        self, argv: Sequence[str], rates_unreachable: str = "open", fault: str = ""
     ) -> None:
-        from kvgate.entrypoints.cli import _parse, serve_settings
-        from kvgate.entrypoints.serve import engine_loader, setup_logging
-        from kvgate.server.app import ServerState, build_app
+        from kvgate.launch.server import build_server, setup_logging
+        from kvgate.launch.settings import serve_settings
+        from kvgate.server.app import ServerState
 
-        models, config = serve_settings(list(argv))
-        self.fault = Fault.parse(_parse(["serve", *argv]).fault)
-        setup_logging(config)
+        launch = serve_settings(list(argv))
+        self.fault = Fault.parse(fault)
+        setup_logging(launch.config)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.actor = state_actor()
         buckets = SharedBuckets(self.actor, fail=rates_unreachable)
-        self.app = build_app(
-            config,
-            {
-                m.name: engine_loader(
-                    m.engine, config.max_queue_len, own_process=config.engine_process
-                )
-                for m in models
-            },
-            rate_buckets=buckets,
-        )
+        self.app = build_server(launch, rate_buckets=buckets)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self.state: ServerState = self.app.state.kvgate
@@ -146,12 +137,12 @@ class EngineReplica:
         return merge({name: pair[0 if full else 1] for name, pair in texts.items()})
 
     def _texts(self) -> tuple[str, str]:
-        from kvgate.server.app import _Aggregates
+        from kvgate.server.app import Aggregates
 
         registry = self.state.registry
         return (
             generate_latest(registry).decode(),
-            generate_latest(_Aggregates(registry)).decode(),
+            generate_latest(Aggregates(registry)).decode(),
         )
 
     async def _push_metrics(self) -> None:

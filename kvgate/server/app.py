@@ -27,10 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from kvgate.docs.retrieval import E5Embedder
-from kvgate.docs.service import DocsService, StorageLimits
-from kvgate.docs.store import DocStore
-from kvgate.docs.store import default_dir as docs_default_dir
 from kvgate.engine.front import EngineView
 from kvgate.engine.lineage import model_version
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
@@ -41,6 +37,11 @@ from kvgate.governance.admission import RateBuckets
 from kvgate.governance.tenants import DEFAULT_TENANT, TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
+from kvgate.retrieval.extra import missing_modules, unavailable
+from kvgate.retrieval.retrieval import E5Embedder
+from kvgate.retrieval.service import DocsService, StorageLimits
+from kvgate.retrieval.store import DocStore
+from kvgate.retrieval.store import default_dir as docs_default_dir
 from kvgate.server.access_log import AccessLogMiddleware, access_record
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
@@ -78,7 +79,8 @@ class ServerState:
     governance: Governance
     usage: UsageLedger
     models: ServedModels
-    docs: DocsService
+    #: None where the ``retrieval`` extra is not installed (document endpoints: 501).
+    docs: DocsService | None
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     #: Set once every model has loaded (or one failed).
@@ -174,7 +176,7 @@ def _load_all(
         state.ready.set()
 
 
-class _Aggregates:
+class Aggregates:
     """A registry's metric families without the per-tenant ones (``kvgate:tenant_*``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -218,7 +220,11 @@ def usage_path_of(config: ServerConfig) -> str:
     return str(config.usage_db or os.environ.get("KVGATE_USAGE_DB") or usage_default_path())
 
 
-def _docs(config: ServerConfig, governance: Governance) -> DocsService:
+def _docs(config: ServerConfig, governance: Governance) -> DocsService | None:
+    missing = missing_modules()
+    if missing:
+        log.warning("%s", unavailable(missing).message)
+        return None
     directory = data_dir_of(config)
     url = config.docs_url or os.environ.get("KVGATE_DOCS_URL") or None
     try:
@@ -327,7 +333,8 @@ def build_app(
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes spans not yet exported
             state.usage.close()  # after the engine: every request settled is written
-            state.docs.close()
+            if state.docs is not None:
+                state.docs.close()
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvgate = state
@@ -384,9 +391,7 @@ def build_app(
         # key (or an open server); anyone else gets the aggregates.
         if state.governance.tenants.may_observe(request.headers.get("authorization")):
             return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
-        return Response(
-            generate_latest(_Aggregates(state.registry)), media_type=CONTENT_TYPE_LATEST
-        )
+        return Response(generate_latest(Aggregates(state.registry)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     def list_models(route: Route) -> dict[str, Any]:

@@ -24,12 +24,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.docs.bounds import IngestLimits
 from kvgate.errors import InvalidConfig
+from kvgate.retrieval.bounds import IngestLimits
 from kvgate.server.limits import RequestLimits
 from kvgate.settings_file import read_table
 
-#: ``--embed-precision``: ``auto`` or one of the encoder's (kvgate/docs/e5_encoder.py).
+#: ``--embed-precision``: ``auto`` or one of the encoder's (kvgate/retrieval/e5_encoder.py).
 EMBED_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
@@ -56,10 +56,10 @@ class ServerConfig:
     #: ~/.local/state/kvgate/usage.sqlite3); see governance/usage.py.
     usage_db: str | None = None
     #: Where files, vector stores and their indexes live (None: $KVGATE_DATA_DIR, else
-    #: ~/.local/share/kvgate); see kvgate/docs.
+    #: ~/.local/share/kvgate); see kvgate/retrieval.
     data_dir: str | None = None
     #: Refuse to start when ``data_dir`` (or the usage ledger's folder) may be read by other
-    #: users; else a warning (entrypoints/serve.py).
+    #: users; else a warning (kvgate/launch/server.py).
     strict_data_dir: bool = False
     #: The documents database (None: $KVGATE_DOCS_URL, else SQLite in ``data_dir``): a
     #: ``postgresql://`` URL shares files and vector stores between replicas.

@@ -16,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvgate.docs.service import NotFound
 from kvgate.errors import (
     EngineDead,
     InvalidConfig,
@@ -27,6 +26,8 @@ from kvgate.errors import (
     QueueTimeout,
 )
 from kvgate.governance.admission import RateLimited
+from kvgate.retrieval.extra import RetrievalUnavailable
+from kvgate.retrieval.service import NotFound
 
 log = logging.getLogger("kvgate.server")
 
@@ -84,6 +85,8 @@ def status_of(exc: KVGateError) -> tuple[int, str]:
         return 503, "server_error"
     if isinstance(exc, InvalidConfig):
         return 400, "invalid_request_error"
+    if isinstance(exc, RetrievalUnavailable):
+        return 501, "server_error"
     return 500, "server_error"
 
 

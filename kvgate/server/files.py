@@ -17,9 +17,10 @@ from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, Response
 
-from kvgate.docs.service import DocsService, NotFound
 from kvgate.errors import InvalidRequest
 from kvgate.governance.tenants import key_digest
+from kvgate.retrieval.extra import missing_modules, unavailable
+from kvgate.retrieval.service import DocsService, NotFound
 from kvgate.server.access_log import access_record
 from kvgate.server.errors import AuthenticationFailed
 
@@ -65,7 +66,9 @@ def docs_caller(request: Request) -> Caller:
 
 
 def docs_service(request: Request) -> DocsService:
-    service: DocsService = request.app.state.kvgate.docs
+    service: DocsService | None = request.app.state.kvgate.docs
+    if service is None:
+        raise unavailable(missing_modules())
     return service
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from kvgate.docs.rerank import (
+from kvgate.retrieval.rerank import (
     MAX_PASSAGES,
     TOP_LOGPROBS,
     answer_ids,
@@ -21,7 +21,7 @@ from kvgate.docs.rerank import (
     question_for,
     reorder,
 )
-from kvgate.docs.service import SearchResult
+from kvgate.retrieval.service import SearchResult
 from kvgate.server.chat import chat_prompt_ids
 from kvgate.server.choices import admit_choices
 from kvgate.server.constraints import Constraints

@@ -28,11 +28,12 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 
-from kvgate.docs import filters as attribute_filters
-from kvgate.docs.prompt import arrange, citations, fit, sources_block
-from kvgate.docs.service import DocsService, SearchResult
 from kvgate.errors import InvalidRequest, KVGateError, RequestTooLarge
 from kvgate.governance.tenants import DEFAULT_TENANT, TenantSpec
+from kvgate.retrieval import filters as attribute_filters
+from kvgate.retrieval.extra import missing_modules, unavailable
+from kvgate.retrieval.prompt import arrange, citations, fit, sources_block
+from kvgate.retrieval.service import DocsService, SearchResult
 from kvgate.server.access_log import access_record
 from kvgate.server.chat import chat_prompt_ids
 from kvgate.server.choices import admit_choices
@@ -221,7 +222,7 @@ class _Answer:
 def _extract(result: SearchResult, question: str) -> str:
     """The clause of ``result`` that shares most words with the question: its first
     sentence-group when nothing stands out."""
-    from kvgate.docs.retrieval import words
+    from kvgate.retrieval.retrieval import words
 
     wanted = set(words(question))
     parts = [p for p in result.text.replace("\r", "").split("\n") if p.strip()]
@@ -321,7 +322,11 @@ def _chat_body(
 
 
 async def create_response(
-    ctx: ServingContext, docs: DocsService, tenant: str, body: ResponsesRequest, http: Request
+    ctx: ServingContext,
+    docs: DocsService | None,
+    tenant: str,
+    body: ResponsesRequest,
+    http: Request,
 ) -> JSONResponse | EventStream:
 
     if body.previous_response_id is not None:
@@ -331,6 +336,8 @@ async def create_response(
             param="previous_response_id",
         )
     tool = _file_search(body)
+    if tool is not None and docs is None:
+        raise unavailable(missing_modules())
     messages = _messages(body)
     question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     if not question.strip():
@@ -346,7 +353,7 @@ async def create_response(
     spec = ctx.governance.spec(who)
     texts = [m["content"] for m in messages] + [body.instructions or ""]
     ctx.door.counted(who, _check_input, ctx, len(messages), [(texts, 0)], spec)
-    if tool is not None:
+    if tool is not None and docs is not None:
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             docs.vector_store(tenant, store_id)
         await _retrieve(ctx, http, docs, tenant, tool, answer, question)
@@ -432,7 +439,7 @@ def install_response_routes(app: FastAPI) -> None:
     @app.post("/v1/responses", response_model=None)
     async def responses(body: ResponsesRequest, request: Request, route: Route) -> Any:
         ctx = route(body.model)
-        docs: DocsService = request.app.state.kvgate.docs
+        docs: DocsService | None = request.app.state.kvgate.docs
         owner = docs_caller(request).tenant  # whose vector stores it may search
         try:
             return await create_response(ctx, docs, owner, body, request)

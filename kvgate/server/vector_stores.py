@@ -10,11 +10,11 @@ from fastapi import FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgate.docs import filters as attribute_filters
-from kvgate.docs.query import rewrite
-from kvgate.docs.service import DocsService, NotFound, chunking_of
-from kvgate.docs.store import StoreFileRecord, StoreRecord, new_id
 from kvgate.errors import InvalidRequest
+from kvgate.retrieval import filters as attribute_filters
+from kvgate.retrieval.query import rewrite
+from kvgate.retrieval.service import DocsService, NotFound, chunking_of
+from kvgate.retrieval.store import StoreFileRecord, StoreRecord, new_id
 from kvgate.server.door import charge
 from kvgate.server.files import Docs, Who, page
 

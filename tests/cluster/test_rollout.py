@@ -40,13 +40,13 @@ def controller() -> Any:
 
 
 def start(
-    model: str, golden: str, steps: str, interval: str, serve_args: str = ""
+    model: str, golden: str, steps: str, interval: str, serve_args: str = "", fault: str = ""
 ) -> dict[str, Any]:
     a = argparse.Namespace(
         model=model, golden=golden, steps=steps, interval=interval, key="sk-open",
         replicas=1, serve_args=serve_args,
     )  # fmt: skip
-    status: dict[str, Any] = ray.get(controller().start.remote(**plan_of(a)))
+    status: dict[str, Any] = ray.get(controller().start.remote(**plan_of(a), fault=fault))
     return status
 
 
@@ -126,7 +126,7 @@ def test_a_canary_that_errors_is_rolled_back_within_one_step(url: str, golden: s
     stable = status()["stable"]["version"]
     with Traffic(url) as traffic:
         start("smollm2", golden, "50,100", f"{interval}s",
-              serve_args="--max-model-len 1536 --fault errors=0.5")  # fmt: skip
+              serve_args="--max-model-len 1536", fault="errors=0.5")  # fmt: skip
         rolled = wait_state("rolled_back", "promoted")
         time.sleep(1.0)  # requests the ingress had already sent the canary end
         after = len(traffic.results)

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvgate.entrypoints.cli import _parse
+from kvgate.launch.settings import parse_serve
 from tests.server.conftest import LiveServer
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -83,7 +83,7 @@ def test_the_container_runs_a_command_kvgate_accepts() -> None:
     spec = deployment["spec"]["template"]["spec"]
     args = spec["containers"][0]["args"]
     assert args[0] == "serve"
-    parsed = _parse(args)
+    parsed = parse_serve(args[1:])
     assert parsed.host == "0.0.0.0" and parsed.port == 8000
     # Room to drain: the grace period outlasts the server's own shutdown timeout.
     assert spec["terminationGracePeriodSeconds"] > parsed.shutdown_timeout

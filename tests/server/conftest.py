@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from kvgate.config import EngineConfig
-from kvgate.entrypoints.serve import engine_loader
+from kvgate.launch.server import engine_loader
 from kvgate.server.app import ServerState, build_app
 from kvgate.server.config import ServerConfig
 from kvgate.server.http import uvicorn_config

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
-from kvgate.entrypoints.serve import engine_loader
 from kvgate.errors import ModelNotFound
+from kvgate.launch.server import engine_loader
 from kvgate.server.app import build_app
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import (

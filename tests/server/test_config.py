@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.entrypoints.cli import _config, _parse
-from kvgate.entrypoints.serve import ModelToServe, models_to_serve, server_config
 from kvgate.errors import InvalidConfig
+from kvgate.launch.settings import (
+    ModelToServe,
+    engine_config,
+    models_to_serve,
+    parse_serve,
+    server_config,
+)
 
 
 def test_toml_settings_and_flag_precedence(tmp_path: Path) -> None:
@@ -17,7 +22,7 @@ def test_toml_settings_and_flag_precedence(tmp_path: Path) -> None:
         'port = 9001\nkv_cache_memory = "2GiB"\nmax-num-seqs = 7\nno-prefix-caching = true\n'
         'served_model_name = "prod"\n'
     )
-    args = _parse(["serve", "--config", str(path), "--port", "9002"])
+    args = parse_serve(["--config", str(path), "--port", "9002"])
     assert args.port == 9002  # the flag wins
     assert args.kv_cache_memory == "2GiB" and args.max_num_seqs == 7
     assert args.no_prefix_caching is True
@@ -27,22 +32,22 @@ def test_toml_settings_and_flag_precedence(tmp_path: Path) -> None:
 def test_yaml_settings(tmp_path: Path) -> None:
     path = tmp_path / "kvgate.yaml"
     path.write_text("host: 0.0.0.0\nmax_queue_len: 3\n")
-    config = server_config(_parse(["serve", "--config", str(path)]))
+    config = server_config(parse_serve(["--config", str(path)]))
     assert (config.host, config.max_queue_len) == ("0.0.0.0", 3)
 
 
 def test_embed_precision_flag_and_setting(tmp_path: Path) -> None:
-    assert server_config(_parse(["serve"])).embed_precision == "auto"
-    config = server_config(_parse(["serve", "--embed-precision", "bfloat16"]))
+    assert server_config(parse_serve([])).embed_precision == "auto"
+    config = server_config(parse_serve(["--embed-precision", "bfloat16"]))
     assert config.embed_precision == "bfloat16"
     path = tmp_path / "kvgate.toml"
     path.write_text('embed_precision = "int4"\n')
     with pytest.raises((InvalidConfig, SystemExit)):
-        server_config(_parse(["serve", "--config", str(path)]))
+        server_config(parse_serve(["--config", str(path)]))
 
 
 def test_default_served_name_is_the_model_directory(tmp_path: Path) -> None:
-    args = _parse(["serve", "--model", str(tmp_path / "my-llama") + "/"])
+    args = parse_serve(["--model", str(tmp_path / "my-llama") + "/"])
     assert server_config(args).served_model_name == "my-llama"
 
 
@@ -59,19 +64,19 @@ def test_bad_config_files_are_named(tmp_path: Path, content: str, message: str) 
     path = tmp_path / "bad.toml"
     path.write_text(content)
     with pytest.raises(InvalidConfig, match=message):
-        _parse(["serve", "--config", str(path)])
+        parse_serve(["--config", str(path)])
 
 
 def test_a_wrongly_typed_value_fails_like_a_flag(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('port = "eighty"\n')
     with pytest.raises(SystemExit):
-        _parse(["serve", "--config", str(path)])
+        parse_serve(["--config", str(path)])
 
 
 def _models(argv: list[str]) -> list[ModelToServe]:
-    args = _parse(["serve", *argv])
-    return models_to_serve(args, _config(args), getattr(args, "file_models", ()))
+    args = parse_serve([*argv])
+    return models_to_serve(args, engine_config(args), getattr(args, "file_models", ()))
 
 
 def test_several_models_split_one_budget_by_weight() -> None:
@@ -132,13 +137,13 @@ def test_bad_model_lists_are_named(
 
 
 def test_ingestion_limit_flags_and_settings(tmp_path: Path) -> None:
-    from kvgate.docs.bounds import IngestLimits
+    from kvgate.retrieval.bounds import IngestLimits
 
-    assert server_config(_parse(["serve"])).ingest_limits == IngestLimits()
+    assert server_config(parse_serve([])).ingest_limits == IngestLimits()
     path = tmp_path / "kvgate.toml"
     path.write_text("ingest_max_pages = 100\n")
     config = server_config(
-        _parse(["serve", "--config", str(path), "--ingest-job-timeout", "30",
+        parse_serve(["--config", str(path), "--ingest-job-timeout", "30",
                 "--ingest-memory-mib", "1024", "--ingest-max-chars", "5000",
                 "--ingest-max-unzipped-mib", "16"])
     )  # fmt: skip
@@ -147,4 +152,4 @@ def test_ingestion_limit_flags_and_settings(tmp_path: Path) -> None:
         job_seconds=30.0, memory_bytes=1024 * 2**20,
     )  # fmt: skip
     with pytest.raises(InvalidConfig, match="max_text_chars"):
-        server_config(_parse(["serve", "--ingest-max-chars", "0"]))
+        server_config(parse_serve(["--ingest-max-chars", "0"]))

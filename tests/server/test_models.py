@@ -15,10 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate import SamplingParams
-from kvgate.entrypoints.cli import _config, _parse
 from kvgate.entrypoints.llm import LLM
-from kvgate.entrypoints.serve import models_to_serve, server_config
 from kvgate.governance.tenants import TenantSpec
+from kvgate.launch.settings import engine_config, models_to_serve, parse_serve, server_config
 from kvgate.server.errors import ModelNotAllowed, ModelNotServed
 from kvgate.server.models import ModelSlot, ServedModels
 from kvgate.tokenizer import Tokenizer
@@ -60,13 +59,13 @@ def two_models(
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     tenants.write_text(TENANTS)
     # As `kvgate serve` reads its command line: two --model, one budget, weights 3 and 1.
-    args = _parse([
-        "serve", "--tenants", str(tenants), "--dtype", "float32", "--max-model-len", "512",
+    args = parse_serve([
+        "--tenants", str(tenants), "--dtype", "float32", "--max-model-len", "512",
         "--kv-cache-memory", str(BUDGET), "--max-num-batched-tokens", "256",
         "--model", str(tiny_llama_dir), "--served-model-name", "llama", "--kv-weight", "3",
         "--model", str(tiny_qwen3_dir), "--served-model-name", "qwen",
     ])  # fmt: skip
-    models = models_to_serve(args, _config(args))
+    models = models_to_serve(args, engine_config(args))
     live = start_server({m.name: m.engine for m in models}, server_config(args, models))
     yield live
     live.stop()
@@ -270,7 +269,7 @@ def test_a_model_serves_while_the_next_one_still_loads(tiny_llama_dir: Path) -> 
     from kvgate.engine.async_llm import AsyncLLM
     from kvgate.engine.policy import SchedulingPolicy
     from kvgate.engine.stats import StatsListener
-    from kvgate.entrypoints.serve import engine_loader
+    from kvgate.launch.server import engine_loader
     from kvgate.server.app import build_app
     from kvgate.server.config import ServerConfig
     from tests.conftest import tiny_engine_config

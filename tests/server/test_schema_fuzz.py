@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.entrypoints.serve import engine_loader
+from kvgate.launch.server import engine_loader
 from kvgate.server.app import build_app
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import tiny_engine_config

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from kvgate.entrypoints.serve import engine_loader
+from kvgate.launch.server import engine_loader
 from kvgate.server.app import build_app
 from kvgate.server.config import ServerConfig
 from kvgate.server.tracing import tracer_provider_from_env

@@ -197,7 +197,7 @@ def test_another_tenant_sees_none_of_it(
 
 def test_bad_files_fail_alone_and_the_store_stays_usable(docs_server: LiveServer) -> None:
     client = _client(docs_server, "sk-b")
-    from tests.docs.test_text import _blank_pdf
+    from tests.retrieval.test_text import _blank_pdf
 
     good = client.files.create(
         file=("good.md", "第一条 好的文件。\n".encode()), purpose="assistants"
@@ -515,7 +515,7 @@ def test_llm_rerank_judges_each_passage_as_the_callers_requests(
 
 
 def test_judgement_compares_yes_with_no() -> None:
-    from kvgate.docs.rerank import judgement, reorder
+    from kvgate.retrieval.rerank import judgement, reorder
 
     top = ((1, math.log(0.6)), (2, math.log(0.3)), (3, math.log(0.1)))
     assert judgement(top, {1}, {2}) == pytest.approx(math.log(2))

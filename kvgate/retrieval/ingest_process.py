@@ -30,13 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.docs.bounds import FileTooComplex, IngestLimits
-from kvgate.docs.fair_queue import FairQueue
-from kvgate.docs.ingest import THREADS, Job, described, ingest, lower_priority, too_much_memory
-from kvgate.docs.retrieval import Embedder
-from kvgate.docs.store import DocStore
+from kvgate.retrieval.bounds import FileTooComplex, IngestLimits
+from kvgate.retrieval.fair_queue import FairQueue
+from kvgate.retrieval.ingest import THREADS, Job, described, ingest, lower_priority, too_much_memory
+from kvgate.retrieval.retrieval import Embedder
+from kvgate.retrieval.store import DocStore
 
-log = logging.getLogger("kvgate.docs")
+log = logging.getLogger("kvgate.retrieval")
 
 #: Seconds between the server's looks at a running job (its end, its time, the child's RSS).
 POLL_S = 0.1

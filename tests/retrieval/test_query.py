@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgate.docs.query import rewrite
+from kvgate.retrieval.query import rewrite
 
 
 def test_the_framing_goes_and_the_content_stays() -> None:

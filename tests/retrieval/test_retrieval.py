@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgate.docs import retrieval
-from kvgate.docs.retrieval import HybridIndex, words
+from kvgate.retrieval import retrieval
+from kvgate.retrieval.retrieval import HybridIndex, words
 
 DOCS = {
     "law#0": "劳动者解除劳动合同，应当提前三十日以书面形式通知用人单位。",

@@ -13,9 +13,9 @@ from docx.enum.style import WD_STYLE_TYPE
 from docx.oxml import parse_xml
 from docx.oxml.ns import nsdecls
 
-from kvgate.docs.chunking import chunk_auto
-from kvgate.docs.docx_text import chinese_number, format_number
-from kvgate.docs.text import extract_text
+from kvgate.retrieval.chunking import chunk_auto
+from kvgate.retrieval.docx_text import chinese_number, format_number
+from kvgate.retrieval.text import extract_text
 
 W = nsdecls("w")
 

@@ -31,15 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.docs.bounds import IngestLimits
-from kvgate.docs.filters import matches
-from kvgate.docs.ingest import described
-from kvgate.docs.ingest_process import Error, IngestProcess
-from kvgate.docs.quota import StorageLimits, StorageQuotaExceeded
-from kvgate.docs.retrieval import Embedder, HybridIndex, words
-from kvgate.docs.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
-from kvgate.docs.text import SUFFIXES, suffix_of
 from kvgate.errors import InvalidRequest, KVGateError
+from kvgate.retrieval.bounds import IngestLimits
+from kvgate.retrieval.filters import matches
+from kvgate.retrieval.ingest import described
+from kvgate.retrieval.ingest_process import Error, IngestProcess
+from kvgate.retrieval.quota import StorageLimits, StorageQuotaExceeded
+from kvgate.retrieval.retrieval import Embedder, HybridIndex, words
+from kvgate.retrieval.store import DocStore, FileRecord, StoredChunk, StoreFileRecord, StoreRecord
+from kvgate.retrieval.text import SUFFIXES, suffix_of
 
 #: The quota's two names are docs/quota.py's, imported from here as well.
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
     "StorageQuotaExceeded", "chunking_of",
 ]  # fmt: skip
 
-log = logging.getLogger("kvgate.docs")
+log = logging.getLogger("kvgate.retrieval")
 
 
 class NotFound(KVGateError):

@@ -18,12 +18,18 @@ import os
 import re
 from html.parser import HTMLParser
 
-from kvgate.docs.bounds import FileTooComplex, IngestLimits, UnreadableFile, check_chars, check_zip
-from kvgate.docs.chunking import marks_structure
+from kvgate.retrieval.bounds import (
+    FileTooComplex,
+    IngestLimits,
+    UnreadableFile,
+    check_chars,
+    check_zip,
+)
+from kvgate.retrieval.chunking import marks_structure
 
 __all__ = ["SUFFIXES", "FileTooComplex", "UnreadableFile", "extract_text"]
 
-log = logging.getLogger("kvgate.docs")
+log = logging.getLogger("kvgate.retrieval")
 
 TEXT_SUFFIXES = (".md", ".markdown", ".txt")
 SUFFIXES = (*TEXT_SUFFIXES, ".html", ".htm", ".pdf", ".docx")
@@ -288,7 +294,7 @@ def _check_pages(filename: str, reader: object, limits: IngestLimits) -> None:
 def _docx(filename: str, data: bytes, limits: IngestLimits) -> str:
     import docx
 
-    from kvgate.docs.docx_text import docx_text
+    from kvgate.retrieval.docx_text import docx_text
 
     check_zip(filename, data, limits)  # before python-docx inflates any part
     try:

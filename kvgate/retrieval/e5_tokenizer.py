@@ -15,7 +15,7 @@ import re
 
 from tokenizers import Tokenizer
 
-from kvgate.docs.e5_file import E5Vocab
+from kvgate.retrieval.e5_file import E5Vocab
 
 META = "\u2581"
 _SPACES = re.compile(" {2,}")

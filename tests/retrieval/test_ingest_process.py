@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgate.docs.bounds import IngestLimits
-from kvgate.docs.ingest_process import rss_bytes
-from kvgate.docs.retrieval import Embedder
-from kvgate.docs.service import DocsService
-from kvgate.docs.store import DocStore
-from tests.docs.heavy_files import docx_bomb, long_docx, pdf_of_pages
-from tests.docs.test_service import CharEmbedder
+from kvgate.retrieval.bounds import IngestLimits
+from kvgate.retrieval.ingest_process import rss_bytes
+from kvgate.retrieval.retrieval import Embedder
+from kvgate.retrieval.service import DocsService
+from kvgate.retrieval.store import DocStore
+from tests.retrieval.heavy_files import docx_bomb, long_docx, pdf_of_pages
+from tests.retrieval.test_service import CharEmbedder
 
 MiB = 2**20
 #: Seconds any wait here may take: generous, for a loaded machine (the waits end as soon
@@ -147,10 +147,10 @@ def test_a_bomb_past_the_zip_checks_fails_by_the_memory_limit(tmp_path: Path) ->
 _SERVER = """
 import sys, time
 from pathlib import Path
-from kvgate.docs.bounds import IngestLimits
-from kvgate.docs.service import DocsService
-from kvgate.docs.store import DocStore
-from tests.docs.test_ingest_process import NeverEmbedder
+from kvgate.retrieval.bounds import IngestLimits
+from kvgate.retrieval.service import DocsService
+from kvgate.retrieval.store import DocStore
+from tests.retrieval.test_ingest_process import NeverEmbedder
 tmp = Path(sys.argv[1])
 docs = DocsService(DocStore(tmp / "data", None), NeverEmbedder, ingest_limits=IngestLimits())
 (tmp / "f.md").write_text("第一条 forever。")

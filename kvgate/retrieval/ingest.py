@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvgate.docs.bounds import FileTooComplex, IngestLimits, MiB
-from kvgate.docs.chunking import Chunk, chunk_auto, chunk_static
-from kvgate.docs.quota import StorageQuotaExceeded
-from kvgate.docs.retrieval import Embedder, index_text, words
-from kvgate.docs.store import DocStore, StoredChunk
-from kvgate.docs.text import UnreadableFile, extract_text
+from kvgate.retrieval.bounds import FileTooComplex, IngestLimits, MiB
+from kvgate.retrieval.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.retrieval.quota import StorageQuotaExceeded
+from kvgate.retrieval.retrieval import Embedder, index_text, words
+from kvgate.retrieval.store import DocStore, StoredChunk
+from kvgate.retrieval.text import UnreadableFile, extract_text
 
-log = logging.getLogger("kvgate.docs")
+log = logging.getLogger("kvgate.retrieval")
 
 #: OS nice value of the ingestion process, by the priority class of its tenant.
 NICE = {"critical": 0, "standard": 10, "batch": 19}

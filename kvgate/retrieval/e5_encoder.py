@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvgate.docs.e5_file import E5File, dequantize_q4
 from kvgate.model.cpu_kernels import EncoderAttentionKernel, load_encoder_attention, torch_bf16_gemm
 from kvgate.model.linear import PackedCpuLinear, onednn_packs
+from kvgate.retrieval.e5_file import E5File, dequantize_q4
 
 #: Tokens per forward pass: smaller batches lose GEMM efficiency, larger ones only hold
 #: memory (the FFN's activations are 6 KB a token in float32).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvgate.docs.fair_queue import FairQueue
+from kvgate.retrieval.fair_queue import FairQueue
 
 
 def _drain(q: FairQueue[str]) -> list[str]:

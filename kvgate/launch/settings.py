@@ -1,37 +1,143 @@
-"""``kvgate serve``: the OpenAI-compatible server on uvicorn.
+"""What ``kvgate serve`` is asked to serve: its flags, the config file under them, and the
+settings they make (the models, each with its engine configuration, and the server's).
 
-``--model`` may be given several times (or the config file may hold a ``models`` list):
-each model gets an engine and a KV pool of its own, the pools sized from the one
-``--kv-cache-memory`` budget split by ``--kv-weight``; requests go to the model they name.
+One place turns arguments into a :class:`Launch`; the CLI (``kvgate serve``), the Ray
+replicas (``kvgate.cluster``) and anything else that starts a server read it from here, and
+:mod:`kvgate.launch.server` builds and runs the server from a ``Launch``. ``--model`` may be
+given several times (or the config file may hold a ``models`` list): each model gets an
+engine and a KV pool of its own, the pools sized from the one ``--kv-cache-memory`` budget
+split by ``--kv-weight``; requests go to the model they name.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import logging
 import os
-import signal
-import sys
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import FrameType
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.config import DEFAULT_MODEL, EngineConfig, available_memory_bytes, parse_memory
-from kvgate.docs.bounds import IngestLimits, MiB
-from kvgate.engine.async_llm import AsyncLLM
-from kvgate.engine.core_client import EngineClient
-from kvgate.engine.front import EngineFront
-from kvgate.engine.policy import SchedulingPolicy
-from kvgate.engine.stats import StatsListener
+from kvgate.config import (
+    DEFAULT_MODEL,
+    GGUF_BLOCKS,
+    EngineConfig,
+    available_memory_bytes,
+    parse_memory,
+)
 from kvgate.errors import InvalidConfig
-from kvgate.server.config import EMBED_PRECISIONS, ServerConfig
+from kvgate.model import cpu_isa
+from kvgate.retrieval.bounds import IngestLimits, MiB
+from kvgate.server.config import (
+    EMBED_PRECISIONS,
+    ServerConfig,
+    config_file_argv,
+    config_file_models,
+)
 from kvgate.server.limits import RequestLimits
 
-log = logging.getLogger("kvgate.server")
+
+def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False) -> None:
+    g = p.add_argument_group("engine")
+    if several_models:
+        g.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-1.5b', a .gguf file, or a "
+            "HF checkpoint directory; repeat it to serve several models, each with its own engine",
+        )
+    else:
+        g.add_argument(
+            "--model",
+            default=DEFAULT_MODEL,
+            help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-1.5b', a .gguf file, or a "
+            "HF checkpoint directory",
+        )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="auto (default): bfloat16 where this CPU has a native bf16 linear, else float32",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8-b32"],
+        help="int8 linear layers, about half of bf16's bytes per token: the weights made "
+        "Q8_0 blocks at load (a scale per 32 inputs) on the W8A8 block kernels, x quantized "
+        "to int8 per 32 inputs; int8-b32 is a synonym",
+    )
+    g.add_argument(
+        "--gguf-blocks",
+        default="auto",
+        choices=list(GGUF_BLOCKS),
+        help="a GGUF's quantized matrices: auto (default) multiplies them in their blocks "
+        "natively with --dtype auto where the model is large enough to gain (>= 1 GiB in "
+        "bf16), native always, dequantize never",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=128, help="sequences that may run in one step"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per step (decodes and prefill chunks together): the step's budget",
+    )
+    g.add_argument(
+        "--num-spare-seqs",
+        type=int,
+        default=None,
+        help="sequences that may run beyond --max-num-seqs, only for requests that would "
+        "otherwise preempt running work for a slot (a higher class, a tenant taking back its "
+        "guarantee); default max-num-seqs/8, at least 1; 0: they preempt",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt plus output tokens (default: the model's own)",
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="never reuse the KV of a cached prefix"
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="the model's CPU threads (default: PyTorch's)"
+    )
+    g.add_argument(
+        "--no-native-kernels",
+        action="store_true",
+        help="stay on PyTorch ops (no C kernels built at first use)",
+    )
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    # A KVGATE_CPU_ISA above this CPU: a clear error now, naming the missing flags.
+    cpu_isa.default_level()
+    kv: str | float = a.kv_cache_memory
+    model = a.model if isinstance(a.model, str) else (a.model or [DEFAULT_MODEL])[0]
+    return EngineConfig(
+        model=model,
+        dtype=a.dtype,
+        quantization=a.quantization,
+        gguf_blocks=a.gguf_blocks,
+        kv_cache_memory=kv,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        num_spare_seqs=a.num_spare_seqs,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+        num_threads=a.threads,
+        native_kernels=not a.no_native_kernels,
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -145,12 +251,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=["open", "closed"],
         help="with --replicas, when the shared rate state cannot be reached: open (each "
         "replica limits alone) or closed (rate-limited tenants get 503)",
-    )
-    c.add_argument(
-        "--fault",
-        default=None,
-        help="with --replicas, for trying rollbacks: errors=F (a fraction F of requests "
-        "answered 500) and/or latency=S (S seconds before each), comma-separated",
     )
     c.add_argument(
         "--engine-process",
@@ -424,154 +524,56 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
     )
 
 
-def _memory(value: str | float) -> str:
-    return f"{value / 2**20:.0f}MiB" if isinstance(value, int) and value > 1 else str(value)
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``kvgate serve``: the server's, then the engine's."""
+    add_server_args(p)
+    add_engine_args(p, several_models=True)
 
 
-def setup_logging(config: ServerConfig) -> None:
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    access = logging.getLogger("kvgate.access")
-    access.propagate = False
-    access.setLevel(logging.INFO)
-    if config.access_log:
-        handler: logging.Handler = (
-            logging.StreamHandler(sys.stderr)
-            if config.access_log == "-"
-            else logging.FileHandler(config.access_log, encoding="utf-8")
-        )
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(handler)
+def serve_parser() -> argparse.ArgumentParser:
+    """``kvgate serve``'s own parser (the CLI's subparser has the same flags)."""
+    p = argparse.ArgumentParser(prog="kvgate serve")
+    add_serve_args(p)
+    return p
 
 
-def engine_loader(
-    engine_config: EngineConfig, max_queue_len: int, *, own_process: bool = False
-) -> Callable[[Sequence[StatsListener], SchedulingPolicy | None], EngineFront]:
-    """``own_process``: the engine in a process of its own (``engine/core_client.py``)."""
-    front = EngineClient if own_process else AsyncLLM
-
-    def load(listeners: Sequence[StatsListener], policy: SchedulingPolicy | None) -> EngineFront:
-        return front.from_config(
-            engine_config, max_queue_len=max_queue_len, listeners=listeners, policy=policy
-        )
-
-    return load
-
-
-def check_data_dirs(config: ServerConfig) -> list[str]:
-    """The folders the server keeps data in (files, vector stores, the usage ledger) that
-    other users may read: a warning each, or, with ``--strict-data-dir``, InvalidConfig.
-    Before anything is written there; a folder not there yet is made 0700."""
-    from kvgate.private_files import exposed
-    from kvgate.server.app import data_dir_of, usage_path_of
-
-    folders = dict.fromkeys([data_dir_of(config), os.path.dirname(usage_path_of(config)) or "."])
-    found = [why for why in map(exposed, folders) if why is not None]
-    if found and config.strict_data_dir:
-        raise InvalidConfig(
-            "data readable by other users: " + "; ".join(found) + " (chmod 700 it, or start "
-            "without --strict-data-dir)",
-            param="data_dir",
-        )
-    for why in found:
-        log.warning("%s: other local users may read what kvgate stores there (chmod 700)", why)
-    return found
+def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
+    """``kvgate serve ARGV`` parsed; with ``--config FILE`` the file's settings come first,
+    so flags win. ``argv`` and ``file_models`` (the file's ``models`` list) are kept on it."""
+    parser = serve_parser()
+    given = list(argv)
+    args = parser.parse_args(given)
+    file_models: list[dict[str, Any]] = []
+    if args.config:
+        flags = args
+        args = parser.parse_args([*config_file_argv(args.config, parser), *given])
+        # Repeatable flags on the command line replace the file's, as single ones do.
+        for name in ("model", "served_model_name", "kv_weight"):
+            if getattr(flags, name) is not None:
+                setattr(args, name, getattr(flags, name))
+        file_models = config_file_models(args.config)
+    args.argv = given  # for the replicas of ``--replicas``
+    args.file_models = file_models
+    return args
 
 
-def run_server(models: Sequence[ModelToServe], config: ServerConfig) -> int:
-    import uvicorn
+@dataclass(frozen=True)
+class Launch:
+    """A server to start: its models (the first is the default), its settings, and the
+    arguments it came from (the replicas of ``--replicas`` are started with the same)."""
 
-    from kvgate.server.app import build_app
-    from kvgate.server.http import uvicorn_config
+    models: tuple[ModelToServe, ...]
+    config: ServerConfig
+    argv: tuple[str, ...] = field(default=())
 
-    setup_logging(config)
-    check_data_dirs(config)
-    failed: list[BaseException] = []
-    dead: list[BaseException] = []
-    server: uvicorn.Server | None = None
 
-    def on_load_error(exc: BaseException) -> None:
-        failed.append(exc)
-        if server is not None:
-            server.should_exit = True
+def launch_of(a: argparse.Namespace) -> Launch:
+    """The :class:`Launch` of parsed ``kvgate serve`` arguments (see :func:`parse_serve`)."""
+    models = models_to_serve(a, engine_config(a), getattr(a, "file_models", ()))
+    return Launch(tuple(models), server_config(a, models), tuple(getattr(a, "argv", ())))
 
-    def on_engine_dead(exc: BaseException) -> None:
-        # The supervisor gave up (errors too frequent to be transient): exit non-zero so the
-        # process supervisor (systemd, Kubernetes) starts a fresh one.
-        dead.append(exc)
-        if server is not None:
-            server.should_exit = True
 
-    from kvgate.server.tracing import tracer_provider_from_env
-
-    provider = tracer_provider_from_env()
-    if provider is not None:
-        log.info("tracing on: OTLP/HTTP export as configured by the OTEL_* variables")
-    app = build_app(
-        config,
-        {
-            m.name: engine_loader(m.engine, config.max_queue_len, own_process=config.engine_process)
-            for m in models
-        },
-        on_load_error=on_load_error,
-        on_engine_dead=on_engine_dead,
-        tracer_provider=provider,
-    )
-    drain = app.state.kvgate.drain
-
-    class DrainingServer(uvicorn.Server):
-        """The first SIGTERM/SIGINT drains (``server/drain.py``), a second stops now."""
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if drain.draining.is_set():
-                super().handle_exit(sig, frame)
-                return
-            drain.begin()
-            log.info(
-                "%s: draining: no new requests; %d in flight get up to %.0f s",
-                signal.Signals(sig).name, drain.active, config.shutdown_timeout,
-            )  # fmt: skip
-            threading.Thread(target=self._finish, name="kvgate-drain", daemon=True).start()
-
-        def _finish(self) -> None:
-            if drain.wait_idle(config.shutdown_timeout):
-                log.info("drained: every request in flight finished; stopping")
-            else:
-                log.warning("shutdown timeout: %d request(s) still in flight are cut", drain.active)
-            self.should_exit = True
-
-    server = DrainingServer(
-        uvicorn_config(
-            app,
-            config.host,
-            config.port,
-            config.limits,
-            log_level=config.log_level,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    for m in models:
-        log.info(
-            "model %r: %s (%s, kv_cache_memory=%s)",
-            m.name, m.engine.model, m.engine.dtype, _memory(m.engine.kv_cache_memory),
-        )  # fmt: skip
-    log.info(
-        "kvgate serving %s on http://%s:%d/v1 ; /health turns 200 once %s loaded",
-        ", ".join(repr(m.name) for m in models),
-        config.host,
-        config.port,
-        "the model is" if len(models) == 1 else "every model is",
-    )
-    # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
-    if failed:
-        print(f"kvgate: error: the model failed to load: {failed[0]}", file=sys.stderr)
-        return 1
-    if dead:
-        print(f"kvgate: error: the engine failed repeatedly: {dead[0]}", file=sys.stderr)
-        return 1
-    return 0
+def serve_settings(argv: Sequence[str]) -> Launch:
+    """What ``kvgate serve ARGV`` would serve; raises ``InvalidConfig`` (or exits, as
+    argparse does, for an unknown flag) before anything starts."""
+    return launch_of(parse_serve(argv))

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvgate.docs.chunking import Chunk
+from kvgate.retrieval.chunking import Chunk
 
 #: Reciprocal-rank constant and each ranking's weight (bench/longdoc.py).
 RRF_K = 60
@@ -70,9 +70,9 @@ class E5Embedder:
     dim = 384
 
     def __init__(self, precision: str = "auto") -> None:
-        from kvgate.docs.e5_encoder import E5Encoder, auto_precision
-        from kvgate.docs.e5_file import E5File
-        from kvgate.docs.e5_tokenizer import E5Tokenizer
+        from kvgate.retrieval.e5_encoder import E5Encoder, auto_precision
+        from kvgate.retrieval.e5_file import E5File
+        from kvgate.retrieval.e5_tokenizer import E5Tokenizer
 
         self.why = "asked for"
         if precision == "auto":

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.docs.ingest import lower_priority
+from kvgate.retrieval.ingest import lower_priority
 
 
 def _report(priority: str, out: multiprocessing.Queue[tuple[str, int, int, int]]) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvgate.docs.prompt import arrange, citations, fit, sources_block
-from kvgate.docs.service import SearchResult
+from kvgate.retrieval.prompt import arrange, citations, fit, sources_block
+from kvgate.retrieval.service import SearchResult
 
 
 def _r(i: int, text: str = "x") -> SearchResult:

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.docs.chunking import Chunk
-from kvgate.docs.db import Database, Row, Tx, open_database
-from kvgate.docs.quota import (
+from kvgate.private_files import private_dir
+from kvgate.retrieval.chunking import Chunk
+from kvgate.retrieval.db import Database, Row, Tx, open_database
+from kvgate.retrieval.quota import (
     StorageLimits,
     StoredUsage,
     check_chunks,
@@ -38,7 +39,6 @@ from kvgate.docs.quota import (
     check_text,
     check_upload,
 )
-from kvgate.private_files import private_dir
 
 _INSERT_CHUNK = (
     'INSERT INTO chunks (store_id, file_id, seq, start, "end", section, text, terms, vector) '

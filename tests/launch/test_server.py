@@ -6,14 +6,15 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvgate.entrypoints.serve import check_data_dirs
 from kvgate.errors import InvalidConfig
+from kvgate.launch.server import check_data_dirs
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import _free_port
 
@@ -27,10 +28,45 @@ def _serve(*args: str) -> subprocess.Popen[str]:
     )
 
 
+class _Output:
+    """The server's output, read on a thread as it comes, so a test can wait for a line."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        with self._changed:
+            found = self._changed.wait_for(lambda: text in "".join(self.lines), timeout)
+        assert found, f"no {text!r} in the server's output: {self.text()}"
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self.lines)
+
+    def finish(self, timeout: float = 30) -> str:
+        """Wait for the process to exit, then everything it wrote."""
+        self.proc.wait(timeout)
+        self._thread.join(timeout)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.text()
+
+
 def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, "the server exited before it was healthy"
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
@@ -81,6 +117,7 @@ def test_sighup_reloads_the_tenants_file(tiny_llama_dir: Path, tmp_path: Path) -
         "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--tenants", str(tenants),
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    output = _Output(proc)
 
     def status(key: str) -> int:
         return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
@@ -94,14 +131,14 @@ def test_sighup_reloads_the_tenants_file(tiny_llama_dir: Path, tmp_path: Path) -
         while status("sk-b") != 200:
             assert time.monotonic() < deadline, "SIGHUP did not reload the tenants file"
             time.sleep(0.1)
+        output.wait_for("tenants reloaded")
         tenants.write_text("not = [valid\n")
         proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        output.wait_for("keeping the old one")
         assert (status("sk-a"), status("sk-b")) == (200, 200)  # a bad file keeps the old one
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert "tenants reloaded" in out and "keeping the old one" in out
+        output.finish()
 
 
 def test_sighup_without_a_tenants_file_does_not_end_the_server(
@@ -113,23 +150,21 @@ def test_sighup_without_a_tenants_file_does_not_end_the_server(
         "--kv-cache-memory", "16MiB", "--max-model-len", "256",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    output = _Output(proc)
     try:
         _wait_healthy(proc, url)
         proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        output.wait_for("no tenants file to reload")
         assert proc.poll() is None and httpx.get(f"{url}/health").status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out = output.finish()
     assert proc.returncode == 0, out
-    assert "no tenants file to reload" in out
 
 
 def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
     """A rolling restart's SIGTERM: readiness 503 at once, new requests 503 with
     Retry-After, the stream in flight runs to its end, then a clean exit."""
-    import threading
-
     port = _free_port()
     proc = _serve(
         "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
@@ -158,8 +193,10 @@ def test_sigterm_drains_then_exits(tiny_llama_dir: Path) -> None:
         reader.start()
         assert started.wait(30)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        health = httpx.get(f"{url}/health", timeout=5)
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "SIGTERM did not start a drain"
+            time.sleep(0.05)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         assert health.json()["in_flight"] == 1  # the stream, still running
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgate.docs.ingest import chunks_of
-from kvgate.docs.service import DocsService, NotFound, StorageLimits, StorageQuotaExceeded
-from kvgate.docs.store import DocStore
+from kvgate.retrieval.ingest import chunks_of
+from kvgate.retrieval.service import DocsService, NotFound, StorageLimits, StorageQuotaExceeded
+from kvgate.retrieval.store import DocStore
 
 LAW = (
     "# 示例法\n\n## 第一章 总则\n\n第一条 为了保护劳动者的合法权益，制定本法。\n\n"
@@ -312,7 +312,7 @@ def test_replicas_on_one_postgres_store_see_each_others_work(
 def test_a_replica_takes_over_jobs_whose_lease_ran_out(tmp_path: Path, postgres_db: str) -> None:
     """A job whose replica stopped renewing its lease is started again by another replica;
     one whose lease is fresh is left to its owner."""
-    from kvgate.docs.service import LEASE_S
+    from kvgate.retrieval.service import LEASE_S
 
     seed = _service(tmp_path / "seed", postgres_db)
     dead = _upload(seed, tmp_path, "t", "dead.md", LAW.encode())

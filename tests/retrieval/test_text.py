@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from kvgate.docs.chunking import chunk_auto
-from kvgate.docs.text import UnreadableFile, _without_running_lines, extract_text
+from kvgate.retrieval.chunking import chunk_auto
+from kvgate.retrieval.text import UnreadableFile, _without_running_lines, extract_text
 
 
 def _pdf(lines: list[str]) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgate.docs.chunking import Chunk, _heading, chunk_auto, chunk_static
+from kvgate.retrieval.chunking import Chunk, _heading, chunk_auto, chunk_static
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "longdoc" / "corpus"
 ARTICLE = re.compile(r"(?m)^第[零〇一二三四五六七八九十百千]+条")
@@ -30,7 +30,7 @@ def corpus_files() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def e5_tokens():  # type: ignore[no-untyped-def]
-    from kvgate.docs.retrieval import E5Embedder
+    from kvgate.retrieval.retrieval import E5Embedder
 
     return E5Embedder().count_tokens
 

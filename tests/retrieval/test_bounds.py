@@ -6,10 +6,10 @@ import tracemalloc
 
 import pytest
 
-from kvgate.docs.bounds import FileTooComplex, IngestLimits, UnreadableFile
-from kvgate.docs.text import extract_text
 from kvgate.errors import InvalidConfig
-from tests.docs.heavy_files import docx_bomb, long_docx, pdf_of_pages
+from kvgate.retrieval.bounds import FileTooComplex, IngestLimits, UnreadableFile
+from kvgate.retrieval.text import extract_text
+from tests.retrieval.heavy_files import docx_bomb, long_docx, pdf_of_pages
 
 MiB = 2**20
 
