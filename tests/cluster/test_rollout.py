@@ -9,7 +9,6 @@ import argparse
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +79,24 @@ class Traffic:
             code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
             self.results.append((r.status_code, r.headers.get("x-kvgate-model-version", ""), code))
 
+    def settle(self, version: str, run: int = 8, then: int = 8) -> int:
+        """Wait until the last ``run`` answers all came from ``version`` (requests already
+        sent elsewhere have ended), then for ``then`` more; returns where those start."""
+        got = eventually(
+            lambda: (
+                len(self.results) >= run and {v for _, v, _ in self.results[-run:]} == {version}
+            ),
+            120,
+        )
+        assert got, f"traffic never settled on {version}: {self.results[-run:]}"
+        return self.more(then)
+
+    def more(self, count: int = 8) -> int:
+        """Wait for ``count`` answers after the ones so far; returns where they start."""
+        mark = len(self.results)
+        assert eventually(lambda: len(self.results) >= mark + count, 120), "no traffic"
+        return mark
+
     def __enter__(self) -> Traffic:
         for t in self._threads:
             t.start()
@@ -128,9 +145,8 @@ def test_a_canary_that_errors_is_rolled_back_within_one_step(url: str, golden: s
         start("smollm2", golden, "50,100", f"{interval}s",
               serve_args="--max-model-len 1536", fault="errors=0.5")  # fmt: skip
         rolled = wait_state("rolled_back", "promoted")
-        time.sleep(1.0)  # requests the ingress had already sent the canary end
-        after = len(traffic.results)
-        time.sleep(3.0)
+        # Requests the ingress had already sent the canary end; then all go to stable.
+        after = traffic.settle(stable)
     assert rolled["state"] == "rolled_back", rolled
     decision = rolled["history"][-1]
     assert decision["reason"] == "error_rate" and decision["seconds_into_step"] < interval
@@ -151,11 +167,9 @@ def test_a_healthy_canary_is_promoted_to_all_traffic(url: str, golden: str) -> N
         started = start("smollm2", golden, "50,100", "4s", serve_args="--max-model-len 1024")
         assert started["state"] == "loading"
         promoted = wait_state("promoted", "rolled_back")
-        time.sleep(1.0)
-        after = len(traffic.results)
-        time.sleep(2.0)
-    assert promoted["state"] == "promoted", promoted["history"][-3:]
-    new = promoted["stable"]["version"]
+        assert promoted["state"] == "promoted", promoted["history"][-3:]
+        new = promoted["stable"]["version"]
+        after = traffic.settle(new)
     assert new != old  # another max_model_len: another version
     assert [h["decision"] for h in promoted["history"][-2:]] == ["advanced", "promoted"]
     assert {s for s, _, _ in traffic.results} == {200}
@@ -174,13 +188,13 @@ def test_a_rolling_restart_under_load_fails_no_request(
 
     app_name = status()["stable"]["app"]
     with Traffic(url, clients=4) as traffic:
-        time.sleep(2)
+        traffic.more(12)
         # Another setting for every replica: Serve replaces them one at a time, each old
         # one getting no new requests and finishing its own before it stops.
         argv = (*cluster_argv, "--max-queue-len", "200")
         serve.run(engine_application(ClusterSpec(argv, replicas=2, shutdown_timeout=10)),
                   name=app_name, route_prefix=None)  # fmt: skip
-        time.sleep(3)
+        traffic.more(12)  # on the new replicas
     statuses = [s for s, _, _ in traffic.results]
     assert len(statuses) > 20 and set(statuses) == {200}, [
         r for r in traffic.results if r[0] != 200

@@ -127,10 +127,11 @@ def _first_token_margins(model: Any, prompts: list[list[int]]) -> list[float]:
 CLEAR_MARGIN = 0.5
 
 
-def test_bf16_agreement_report(
+def test_bf16_first_tokens_agree_where_float32_is_clear(
     smollm2_gguf_path: Path, prompts: list[list[int]], tmp_path: Path
 ) -> None:
-    """bf16 rounding differs between implementations; report where the two first diverge.
+    """bf16 rounding differs between implementations: where the two first diverge is
+    printed; the first token must agree wherever float32 does not call it a near-tie.
 
     The reference is transformers' plain Llama on the same weights exported to bf16
     safetensors (its GGUF path would compute in fp32). Every prompt whose first token is

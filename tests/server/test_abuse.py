@@ -203,11 +203,12 @@ def test_abusive_clients_do_not_slow_another_tenants_stream(server: LiveServer) 
         stalled.close()
         for sock in sockets:
             sock.close()
-    # 2x, on a floor of 5 ms: this tiny model's gaps are a few ms, where scheduler noise
-    # alone moves a p99 by that much, and on a 2-core machine the uploader's own process
-    # (pushing 100 MB) takes CPU from the server: 1.5x failed once at 32.3 ms against 20.7
-    # beside the reader (2026-12-02). What this guards against, the event loop stalled by
-    # a body or a slow client, shows as gaps of hundreds of ms.
+    # 2x, on a floor of 100 ms: this tiny model's gaps are a few ms, where scheduler noise
+    # alone moves a p99 by that much, and on a loaded 2-core machine the uploader's own
+    # process (pushing 100 MB) and any job beside the suite take CPU from the server: 1.5x
+    # failed once at 32.3 ms against 20.7 beside the reader (2026-12-02). What this guards
+    # against, the event loop stalled by a body or a slow client, shows as gaps of seconds
+    # (a stalled body waits out --body-timeout), well above the floor.
     print(f"victim inter-token p99: alone {alone * 1e3:.1f} ms, beside a reader "
           f"{shared * 1e3:.1f} ms, beside the abusers {loaded * 1e3:.1f} ms")  # fmt: skip
-    assert loaded <= max(2 * shared, shared + 0.005), (alone, shared, loaded)
+    assert loaded <= max(2 * shared, 0.1), (alone, shared, loaded)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -39,20 +39,28 @@ def guarded(tiny_llama_dir: Path, api_keys_file: Path) -> Iterator[LiveServer]:
 
 def _connect(live: LiveServer) -> socket.socket:
     host, port = live.base_url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
+    # Far above the server's 1 s timeouts: waiting on the server to act, not on a clock.
+    return socket.create_connection((host, int(port)), timeout=60)
 
 
 def _read_response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (it must close it)."""
     data = b""
     while True:
         try:
             chunk = sock.recv(65536)
         except TimeoutError:
-            break
+            raise AssertionError(f"the server did not close the connection: {data!r}") from None
         if not chunk:
-            break
+            return data
         data += chunk
-    return data
+
+
+def _eventually(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
 
 
 def test_a_body_over_the_limit_is_413_before_the_key_is_checked(guarded: LiveServer) -> None:
@@ -107,9 +115,7 @@ def test_a_stalled_body_gets_408(guarded: LiveServer) -> None:
             f"authorization: Bearer {API_KEY}\r\ncontent-length: 1000\r\n\r\n"
         )
         sock.sendall(head.encode() + b'{"prompt": "hel')  # and then nothing
-        t = time.monotonic()
         data = _read_response(sock)
-        assert time.monotonic() - t < 5
     assert data.startswith(b"HTTP/1.1 408")
     body = json.loads(data.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == "request_timeout"
@@ -118,9 +124,7 @@ def test_a_stalled_body_gets_408(guarded: LiveServer) -> None:
 def test_half_sent_headers_are_closed_after_the_header_timeout(guarded: LiveServer) -> None:
     with _connect(guarded) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: ")
-        t = time.monotonic()
         assert _read_response(sock) == b""  # closed by the server, no response
-        assert time.monotonic() - t < 5
 
 
 def test_slow_headers_after_a_keep_alive_response_are_closed_too(guarded: LiveServer) -> None:
@@ -133,22 +137,19 @@ def test_slow_headers_after_a_keep_alive_response_are_closed_too(guarded: LiveSe
             first += chunk
         assert first.startswith(b"HTTP/1.1 200")
         sock.sendall(b"GET /health HTTP/1.1\r\nhost")  # the next request, never finished
-        t = time.monotonic()
         assert _read_response(sock) == b""
-        assert time.monotonic() - t < 5
 
 
 def test_connections_past_the_limit_get_503(guarded: LiveServer) -> None:
     held = [_connect(guarded) for _ in range(LIMITS.max_connections)]
+    health = f"{guarded.base_url}/health"
     try:
-        time.sleep(0.2)
-        resp = httpx.get(f"{guarded.base_url}/health")
-        assert resp.status_code == 503
+        # Once the server has accepted them all (no clock: it is asked until it says so).
+        _eventually(lambda: httpx.get(health).status_code == 503)
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.2)
-    assert httpx.get(f"{guarded.base_url}/health").status_code == 200
+    _eventually(lambda: httpx.get(health).status_code == 200)
 
 
 def test_limits_must_be_positive() -> None:

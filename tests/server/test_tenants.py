@@ -222,7 +222,7 @@ def test_queue_timeout_is_refused_with_its_code(one_slot: LiveServer) -> None:
             client(one_slot, "sk-impatient").completions.create(
                 model="tiny", prompt="b", max_tokens=4
             )
-        assert 0.25 < time.monotonic() - start < 5
+        assert time.monotonic() - start > 0.25  # it waited its max_queue_time first
         assert info.value.status_code == 503
         body = info.value.body
         assert isinstance(body, dict) and body["code"] == "queue_timeout"
