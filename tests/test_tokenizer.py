@@ -153,6 +153,7 @@ def test_add_bos_token_prepends_only_when_asked(smollm2_tokenizer: Tokenizer) ->
 # --------------------------------------------------------------------------------- vs transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers_gguf_tokenizer(
     smollm2_tokenizer: Tokenizer, hf_tokenizer: Any, text: str

@@ -1,5 +1,5 @@
 """int8 weights (``--quantization``) on the real SmolLM2: perplexity on a fixed public English
-text within 1% of bf16, and how often greedy decoding agrees with bf16 (reported). Where the
+text within 1% of bf16, and greedy paths that part from float32 only at its near-ties. Where the
 block kernels are built, ``int8`` and ``int8-b32`` both run the weights as Q8_0 blocks on the
 W8A8 kernels (x quantized to int8 per 32 inputs); measured on the AMD EPYC (Zen 4): +0.64% (the
 former int16-activation ``WidenLinear`` path: +1.40% with a scale per channel, -0.05% per 32
@@ -72,33 +72,56 @@ def test_int8_perplexity_close_to_bf16(
     assert abs(change) < bound
 
 
-def test_int8_greedy_agreement_report(smollm2_gguf_path: Path, smollm2_tokenizer: Any) -> None:
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about autumn leaves.",
-        "List three prime numbers.",
-        "Explain what a cache is in one sentence.",
-        "Why is the sky blue?",
-        "Give me a recipe for pancakes.",
-    ]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "List three prime numbers.",
+    "Explain what a cache is in one sentence.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What does a thermometer measure?",
+    "Suggest a name for a pet goldfish.",
+]
+
+#: A float32 token that leads its runner-up by less than this (in logits) is a near-tie that
+#: int8 rounding may flip (W8A8 moves SmolLM2's logits by a few tenths).
+CLEAR_MARGIN = 1.0
+
+
+def test_int8_greedy_paths_part_only_at_float32_near_ties(
+    smollm2_gguf_path: Path, smollm2_tokenizer: Any
+) -> None:
+    """Greedy decoding on int8 weights against float32 on the same file. A 135M model's greedy
+    path splits at near-ties, so where the two first part is printed; the test is that they
+    part only where float32 itself calls the next token a near-tie (same context up to there,
+    so a clear float32 token that int8 does not pick is an error, not rounding luck)."""
     prompts = [
         smollm2_tokenizer.encode(
             smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}]),
             add_special_tokens=False,
         )
-        for q in questions
+        for q in QUESTIONS
     ]
-    greedy = SamplingParams(max_tokens=32, temperature=0.0)
     runs = {}
-    for quantization in (None, "int8", "int8-b32"):
+    margins: list[list[float]] = []
+    for quantization, dtype in ((None, "float32"), ("int8", "bfloat16"), ("int8-b32", "bfloat16")):
         llm = LLM(
             str(smollm2_gguf_path),
-            dtype="bfloat16",
+            dtype=dtype,
             quantization=quantization,
             kv_cache_memory="128MiB",
             max_model_len=2048,
         )
-        runs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, logprobs=2))
+        runs[quantization] = [list(o.token_ids) for o in outs]
+        if quantization is None:
+            margins = [
+                [t.top_logprobs[0][1] - t.top_logprobs[1][1] for t in o.logprobs] for o in outs
+            ]
     for quantization in ("int8", "int8-b32"):
         agree = []
         for a, b in zip(runs[None], runs[quantization], strict=True):
@@ -106,9 +129,11 @@ def test_int8_greedy_agreement_report(smollm2_gguf_path: Path, smollm2_tokenizer
             while n < min(len(a), len(b)) and a[n] == b[n]:
                 n += 1
             agree.append(n)
-        print(f"\n{quantization} vs bf16: greedy tokens agreeing before the first divergence "
-              f"(of 32): {agree}")  # fmt: skip
-        # A report (the quality bound is the perplexity test): greedy paths of a 135M model
-        # part at near-ties, and without the int8 kernel (PyTorch on dequantized bf16 weights,
-        # KVGATE_CPU_ISA=generic) the weights round once more; most first tokens still agree.
-        assert sum(n >= 1 for n in agree) >= len(agree) // 2
+        parted_at = [f"{m[n]:.2f}" for m, n in zip(margins, agree, strict=True) if n < len(m)]
+        print(f"\n{quantization} vs float32: greedy tokens agreeing before the first divergence "
+              f"(of 32): {agree}; float32 margins where they part: {parted_at}")  # fmt: skip
+        for i, n in enumerate(agree):
+            if n < min(len(runs[None][i]), len(runs[quantization][i])):
+                assert margins[i][n] < CLEAR_MARGIN, (quantization, i, n, margins[i])
+        # The test still asks something: most paths share more than a few tokens.
+        assert sum(n >= 4 for n in agree) >= len(agree) // 2, agree

@@ -20,6 +20,9 @@ import pytest
 from tests.engine.foreign_peer import ForeignPeer
 from tests.server.conftest import _free_port
 
+#: Outside the fast tier (scripts/test.sh --fast): servers in processes of their own, killed.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Server:

@@ -97,6 +97,7 @@ def test_a_load_error_is_raised_as_the_engine_raised_it(tiny_llama_dir: Path) ->
         EngineClient(tiny_engine_config(tiny_llama_dir, kv_cache_memory="64KiB"))
 
 
+@pytest.mark.slow
 def test_a_killed_engine_fails_its_streams_and_a_fresh_one_takes_over(
     tiny_llama_dir: Path,
 ) -> None:

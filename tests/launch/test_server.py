@@ -18,6 +18,9 @@ from kvgate.launch.server import check_data_dirs
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import _free_port
 
+#: Outside the fast tier (scripts/test.sh --fast): `kvgate serve` in processes of its own.
+pytestmark = pytest.mark.slow
+
 
 def _serve(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(

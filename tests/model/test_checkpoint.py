@@ -101,6 +101,7 @@ def test_missing_package_names_the_pip_install(monkeypatch: pytest.MonkeyPatch) 
         load_checkpoint("smollm2")
 
 
+@pytest.mark.slow
 def test_gguf_config_matches_transformers(smollm2: Checkpoint, hf_gguf: Any) -> None:
     hf, _ = hf_gguf
     c = smollm2.config

@@ -70,6 +70,7 @@ def test_vector_levels_are_what_this_cpu_runs() -> None:
     assert set(vector_levels()) <= set(cpu_isa.supported_levels())
 
 
+@pytest.mark.slow
 @x86_only
 def test_the_cli_refuses_a_forced_level_above_the_cpu() -> None:
     above = [lv for lv in cpu_isa.LEVELS if lv not in cpu_isa.supported_levels()]
@@ -87,6 +88,7 @@ def test_the_cli_refuses_a_forced_level_above_the_cpu() -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @x86_only
 @pytest.mark.parametrize("level", cpu_isa.LEVELS)
 @pytest.mark.parametrize("source", ["linear.c", "paged_decode.c", "fused_ops.c"])
@@ -132,6 +134,7 @@ def test_torch_bf16_is_allowed_at_the_best_level_and_the_avx512_ones(
     assert cpu_isa.lets_torch_use_bf16("avx2")
 
 
+@pytest.mark.slow
 @x86_only
 def test_a_process_forced_to_a_lower_level_sees_torch_at_that_level() -> None:
     """``import kvgate`` first, as the CLI and the engine process do: ATen dispatches to the

@@ -22,6 +22,9 @@ from kvgate.retrieval.store import DocStore
 from tests.retrieval.heavy_files import docx_bomb, long_docx, pdf_of_pages
 from tests.retrieval.test_service import CharEmbedder
 
+#: Outside the fast tier (scripts/test.sh --fast): the ingestion process past its limits.
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 #: Seconds any wait here may take: generous, for a loaded machine (the waits end as soon
 #: as what they wait for is so).

@@ -46,7 +46,7 @@ class CharEmbedder:
         return len(text)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def docs_url(request: pytest.FixtureRequest) -> str | None:
     """Every test here on each database: SQLite (the default) and PostgreSQL."""
     if request.param == "sqlite":
@@ -131,6 +131,7 @@ def _failed(docs: DocsService, store_id: str, file_id: str) -> dict[str, str]:
     return record.last_error
 
 
+@pytest.mark.slow
 def test_one_file_in_many_stores_counts_each_stores_chunks(
     tmp_path: Path, docs_url: str | None
 ) -> None:
@@ -164,6 +165,7 @@ def test_one_file_in_many_stores_counts_each_stores_chunks(
     docs.close()
 
 
+@pytest.mark.slow
 def test_a_job_whose_text_or_chunks_would_pass_the_quota_fails_with_its_error(
     tmp_path: Path, docs_url: str | None
 ) -> None:
@@ -210,6 +212,7 @@ def test_a_job_whose_text_or_chunks_would_pass_the_quota_fails_with_its_error(
     docs.close()
 
 
+@pytest.mark.slow
 def test_context_expansion_stays_under_the_heading(tmp_path: Path, docs_url: str | None) -> None:
     docs = _service(tmp_path / "data", docs_url)
     file_id = _upload(docs, tmp_path, "t", "law.md", LAW.encode())
@@ -232,6 +235,7 @@ class SlowEmbedder(CharEmbedder):
         return super().passages(texts)
 
 
+@pytest.mark.slow
 def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(
     tmp_path: Path, docs_url: str | None
 ) -> None:
@@ -261,6 +265,7 @@ def test_a_dead_ingestion_process_fails_its_job_and_is_started_again(
     docs.close()
 
 
+@pytest.mark.slow
 def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(
     tmp_path: Path, docs_url: str | None
 ) -> None:
@@ -281,6 +286,7 @@ def test_a_file_added_again_mid_job_keeps_only_the_new_jobs_chunks(
     docs.close()
 
 
+@pytest.mark.slow
 def test_replicas_on_one_postgres_store_see_each_others_work(
     tmp_path: Path, postgres_db: str
 ) -> None:
@@ -309,6 +315,7 @@ def test_replicas_on_one_postgres_store_see_each_others_work(
     b.close()
 
 
+@pytest.mark.slow
 def test_a_replica_takes_over_jobs_whose_lease_ran_out(tmp_path: Path, postgres_db: str) -> None:
     """A job whose replica stopped renewing its lease is started again by another replica;
     one whose lease is fresh is left to its owner."""

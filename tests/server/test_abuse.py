@@ -20,6 +20,9 @@ import pytest
 from kvgate.server.limits import RequestLimits
 from tests.server.conftest import MODEL, LiveServer, aborted_requests, start_tenants_server
 
+#: Outside the fast tier (scripts/test.sh --fast): abusive clients, tens of seconds.
+pytestmark = pytest.mark.slow
+
 TENANTS = """
 [tenants.victim]
 keys = ["sk-victim"]

@@ -92,6 +92,7 @@ def _error(answer: bytes) -> tuple[int, dict[str, object]]:
     return int(head.split()[1]), json.loads(body)["error"]
 
 
+@pytest.mark.slow
 def test_a_keyed_body_trickled_fast_enough_for_the_rate_meets_the_deadline(
     server: LiveServer,
 ) -> None:

@@ -19,6 +19,9 @@ import pytest
 
 from tests.server.conftest import MODEL, LiveServer, start_tenants_server
 
+#: Outside the fast tier (scripts/test.sh --fast): servers started under several umasks.
+pytestmark = pytest.mark.slow
+
 TENANTS = """
 [tenants.a]
 keys = ["sk-a"]

@@ -21,6 +21,9 @@ from kvgate.server.config import ServerConfig
 from tests.conftest import tiny_engine_config
 from tests.server.conftest import MODEL, LiveServer, scrape_metrics, start_server
 
+#: Outside the fast tier (scripts/test.sh --fast): engines in processes of their own.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def split(tiny_llama_dir: Path) -> Iterator[LiveServer]:

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import start_tenants_server
 
@@ -19,6 +20,7 @@ keys = ["sk-quiet"]
 """
 
 
+@pytest.mark.slow
 def test_a_flood_leaves_queue_slots_for_another_tenant(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -18,6 +18,9 @@ from kvgate.server.app import build_app
 from kvgate.server.config import ServerConfig
 from tests.server.conftest import tiny_engine_config
 
+#: Outside the fast tier (scripts/test.sh --fast): hypothesis fuzzing of the request schemas.
+pytestmark = pytest.mark.slow
+
 ANY_JSON = st.recursive(
     st.none()
     | st.booleans()

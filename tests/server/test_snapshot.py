@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import API_KEY, LiveServer, metric, scrape_metrics, wait_idle
 
@@ -34,6 +35,7 @@ def _storm(live: LiveServer, i: int, stop: threading.Event) -> None:
                 pass
 
 
+@pytest.mark.slow
 def test_metrics_are_never_torn_during_a_cancel_storm(live_server: LiveServer) -> None:
     """Every scrape's figures come from one moment; the pool's blocks always add up."""
     wait_idle(live_server)

@@ -263,6 +263,7 @@ def _healthy(url: str, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_kill_9_under_load_leaves_one_record_per_request_that_received_tokens(
     tiny_llama_dir: Path, tenants_file: Path, tmp_path: Path
 ) -> None:
@@ -360,6 +361,7 @@ def _tokens_in(raw: bytes) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_leaves_the_counts_the_client_received(
     tiny_llama_dir: Path, tenants_file: Path, tmp_path: Path
 ) -> None:

@@ -17,6 +17,9 @@ import pytest
 from kvgate.server.limits import RequestLimits
 from tests.server.conftest import LiveServer, scrape_metrics, start_tenants_server
 
+#: Outside the fast tier (scripts/test.sh --fast): the e5 embedder, ingestion, PostgreSQL.
+pytestmark = pytest.mark.slow
+
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "longdoc" / "corpus"
 LAWS = (
     "zhigong_daixin_nianxiujia_tiaoli.md",
