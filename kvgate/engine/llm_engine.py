@@ -37,7 +37,13 @@ from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.kv_layout import KVLayout
 from kvgate.model.models import model_class
-from kvgate.model.precision import dequantized, native_blocks, resolve_dtype, upcast_attention
+from kvgate.model.precision import (
+    dequantized,
+    native_blocks,
+    native_blocks_min_bytes,
+    resolve_dtype,
+    upcast_attention,
+)
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
 from kvgate.tokenizer import Tokenizer
@@ -88,7 +94,8 @@ class LLMEngine:
         log.info("loading weights of %r", config.model)
         # A GGUF's block-quantized matrices stay in their blocks where the block kernels are
         # built (quant_linear.py): under gguf_blocks native, or auto with dtype auto for a
-        # model large enough to gain (precision.native_blocks); else they are dequantized.
+        # model large enough to gain on this CPU's kernels (precision.native_blocks_min_bytes);
+        # else they are dequantized.
         blocks = config.gguf_blocks
         keep_quantized = (
             config.quantization is None
@@ -97,7 +104,9 @@ class LLMEngine:
         )
         checkpoint = load_checkpoint(config.model, keep_quantized=keep_quantized)
         if keep_quantized and blocks == "auto":
-            native, why_blocks = native_blocks(checkpoint.weights)
+            native, why_blocks = native_blocks(
+                checkpoint.weights, native_blocks_min_bytes(kernels.paths())
+            )
             log.info("weights: %s", why_blocks)
             if not native:
                 checkpoint.weights = dequantized(checkpoint.weights)

@@ -73,8 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         default="auto",
         choices=list(GGUF_BLOCKS),
         help="a GGUF's quantized matrices: auto (default) multiplies them in their blocks "
-        "natively with --dtype auto where the model is large enough to gain (>= 1 GiB in "
-        "bf16), native always, dequantize never",
+        "natively with --dtype auto where that gains on this CPU (models of >= 1 GiB in "
+        "bf16; every model with AVX512-VNNI and no AMX), native always, dequantize never",
     )
     g.add_argument(
         "--kv-cache-memory",

@@ -39,14 +39,34 @@ def upcast_attention(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cpu" and not torch_bf16_gemm()
 
 
-#: Below this many bytes of weights in bf16, ``dtype auto`` dequantizes a GGUF's blocks at load
-#: instead of multiplying them natively. Measured 2026-12-03 on an AMD EPYC Zen 4 (2 cores,
-#: AVX512-VNNI, bench/throughput.py): SmolLM2-135M Q4_1 (270 MB in bf16) decodes at 74 tok/s
-#: native against 101 in bf16 at batch 1, 292 against 333 at 32 sequences (a small model's
-#: bf16 weights stream fast enough, and vdpbf16ps multiplies them faster than the blocks
-#: decode); Qwen2.5-Coder-1.5B Q4_K_M (3.1 GB in bf16) 10.6 against 11.0 at batch 1, in a
-#: third of the memory and a tenth of the start-up.
+#: Below how many bytes of weights in bf16 ``dtype auto`` dequantizes a GGUF's blocks at load
+#: instead of multiplying them natively, per (the block kernels' path, the bf16 linear's path)
+#: of this process (``CpuKernels.paths()``); pairs not listed take ``NATIVE_BLOCKS_MIN_BYTES``.
+#: Measured with bench/throughput.py (--gguf-blocks native against auto's bf16), 2 cores:
+#:
+#: - VNNI blocks beside the AVX-512 bf16 linear (AMD EPYC Zen 4, 2026-12-04, after the
+#:   two-blocks-per-load panels; a noisy VM, runs alternated): SmolLM2-135M Q4_1 batch-1 decode
+#:   110-176 tok/s native against 80-117 in bf16; 32 sequences a tie or better, medians 386
+#:   against 380 (six and five runs), in 97 MB of weights read instead of 269. So every size
+#:   goes native there (a day earlier, before those panels, bf16 led: 101 vs 74, 333 vs 292).
+#: - The AVX2 blocks beside the AVX2 bf16 linear (the same Zen 4 forced to avx2, same day):
+#:   bf16 leads, 87 against 60 tok/s at batch 1, 186 against 112 at 32 sequences.
+#: - Beside the AMX bf16 linear, whose tiles multiply many rows far faster than VNNI (SmolLM2
+#:   at 32 streams on an AMX Xeon: bf16 598 tok/s, the int8 path of the time 275; the block
+#:   kernels not yet measured there), small models stay bf16 until the blocks have AMX tiles.
+#: - Qwen2.5-Coder-1.5B Q4_K_M (3.1 GB in bf16) is native on every path: on the Zen 4 its
+#:   batch-1 decode was within 4% of bf16 before the one-row kernels (10.6 against 11.0 tok/s)
+#:   and 23.0 after, in a third of the memory and a tenth of the start-up; hence 1 GiB.
 NATIVE_BLOCKS_MIN_BYTES = 1 << 30
+NATIVE_BLOCKS_MIN_BYTES_BY_PATH: dict[tuple[str, str], int] = {
+    ("avx512bf16", "avx512bf16"): 0,
+}
+
+
+def native_blocks_min_bytes(paths: Mapping[str, str]) -> int:
+    """The size from which ``dtype auto`` keeps blocks native, for ``CpuKernels.paths()``."""
+    key = (paths.get("quant", "torch"), paths.get("linear", "torch"))
+    return NATIVE_BLOCKS_MIN_BYTES_BY_PATH.get(key, NATIVE_BLOCKS_MIN_BYTES)
 
 
 def native_blocks(
@@ -63,7 +83,7 @@ def native_blocks(
     if bf16 < min_bytes:
         return False, (
             f"{types} blocks dequantized: {bf16 / 2**20:.0f} MiB in bf16 is under "
-            f"{min_bytes / 2**20:.0f} MiB, where bf16 kernels are faster"
+            f"{min_bytes / 2**20:.0f} MiB, where bf16 kernels are faster on this CPU"
         )
     return True, f"{types} blocks kept native ({bf16 / 2**20:.0f} MiB in bf16 would be read)"
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from kvgate.model.precision import dequantized, native_blocks
+from kvgate.model.precision import (
+    NATIVE_BLOCKS_MIN_BYTES,
+    dequantized,
+    native_blocks,
+    native_blocks_min_bytes,
+)
 from kvgate.model.quant_tensor import QuantTensor
 from tests.model.quant_blocks import random_quant
 
@@ -25,6 +30,19 @@ def test_blocks_stay_native_from_the_size_where_they_gain() -> None:
     assert keep and "Q4_K+Q6_K" in why
     keep, why = native_blocks(weights, min_bytes=bf16 + 1)
     assert not keep and "dequantized" in why
+
+
+def test_the_size_from_which_blocks_stay_native_follows_the_kernels() -> None:
+    # VNNI blocks beside an AVX-512 bf16 linear: measured faster at every size.
+    assert native_blocks_min_bytes({"quant": "avx512bf16", "linear": "avx512bf16"}) == 0
+    # Beside AMX tiles for bf16, or on a pair not measured, small models stay bf16.
+    for paths in (
+        {"quant": "avx512bf16", "linear": "amx"},
+        {"quant": "avx2", "linear": "torch"},
+        {"quant": "torch", "linear": "avx512bf16"},
+        {},
+    ):
+        assert native_blocks_min_bytes(paths) == NATIVE_BLOCKS_MIN_BYTES, paths
 
 
 def test_a_checkpoint_without_blocks_has_nothing_to_keep() -> None:
