@@ -7,11 +7,19 @@ The window's first tokens are context, so decoders that treat the first token sp
 tail of the prompt; for byte-level BPE (SmolLM2, GPT-2, Llama 3) the text is then exactly
 ``decode(output_ids)``, since that decoder is a plain concatenation of bytes.
 
-A window whose decode ends in U+FFFD ends inside a multi-byte character: it is held until the
-character completes, and ``read`` only moves to a point where the decode ended on a complete
-character. A complete character's lead byte can never continue an earlier sequence, so such a
-point is a character boundary whatever came before it, and decoding from there on gives the
-same characters as decoding the whole output.
+A window whose decode ends in U+FFFD may end inside a multi-byte character: it is held until
+the character completes, and ``read`` normally moves only to a point where the decode ended on
+a complete character. A complete character's lead byte can never continue an earlier sequence,
+so such a point is a character boundary whatever came before it, and decoding from there on
+gives the same characters as decoding the whole output.
+
+A model can also emit bytes that never complete (a lead byte followed by a space, over and
+over: Qwen2.5 does so on random-text prompts). Holding those until they complete would hold
+the whole answer to its end, so the hold is bounded: a character still completable at the end
+has at most 3 bytes, and every token that decodes to something on its own carries at least
+one, so it starts within the last 3 such tokens. Everything before them is settled and is
+sent (its replacement characters included) once the decode of the tokens before them is a
+prefix of the window's decode: at most 3 tokens of delay, however long the invalid run.
 """
 
 from __future__ import annotations
@@ -103,12 +111,31 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids)
         # Emit only when the window decodes to more text and does not end inside a character.
         if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT):
-            new_text = text[len(self._prefix_text) :]
-            # Slide: the newly read tokens become the context for the next ones.
-            self._ids = self._ids[self._read :]
-            self._read = len(self._ids)
-            self._prefix_text = self._decode(self._ids)
-            self._add_text(new_text)
+            self._slide(len(self._ids), text)
+        elif len(self._ids) - self._read > 3 and text.endswith(_REPLACEMENT):
+            self._settle(text)  # valid text never holds more than 3 tokens
+
+    def _slide(self, end: int, text: str) -> None:
+        """Emit ``text[len(prefix):]`` (the decode of ``ids[:end]``); the newly read tokens
+        become the context for the next ones."""
+        new_text = text[len(self._prefix_text) :]
+        self._ids = self._ids[self._read :]
+        self._read = end - self._read
+        self._prefix_text = self._decode(self._ids[: self._read])
+        self._add_text(new_text)
+
+    def _settle(self, text: str) -> None:
+        """Emit what lies before the last 3 tokens that decode to something, when the window
+        ends in U+FFFD: no character still completable at the end starts before them."""
+        end, carrying = len(self._ids), 0
+        while end > self._read and carrying < 3:
+            end -= 1
+            carrying += self._decode([self._ids[end]]) != ""
+        if carrying < 3 or end <= self._read:
+            return
+        settled = self._decode(self._ids[:end])
+        if len(settled) > len(self._prefix_text) and text.startswith(settled):
+            self._slide(end, settled)
 
     def _add_text(self, new_text: str) -> None:
         """Append decoded text, cutting it at the first stop string that completes in it."""
