@@ -150,12 +150,13 @@ def test_int8_activations_stay_within_their_rounding(
 def test_a_row_gets_the_same_output_in_any_batch(
     level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
 ) -> None:
-    """K = 8192: the kernel takes rows in blocks of 262144 / K = 32 (their int8 x in L2), so
-    a batch of 40 spans two row blocks and a partial tile; every row's output is bit-identical
-    alone, in batches of 1..9 starting anywhere, and in the batch of 40."""
+    """K = 16384: the kernel takes rows in blocks of 8 MiB / K = 512 of int8 x (AVX512-VNNI)
+    or 256 KiB / K = 16 (AVX2), so a batch of 517 spans two row blocks and a partial tile on
+    both; every row's output is bit-identical alone, in batches of 1..9 starting anywhere,
+    and in the batch of 517."""
     lib = _library(level)
-    k, m = 8192, 40
-    assert 262144 // k < m
+    k, m = 16384, 517
+    assert (8 << 20) // k < m and m % 4
     lin = QuantLinear([random_quant(qtype, 37, k, seed=3)], None, lib, io_dtype=io_dtype)
     x = _inputs(m, k, seed=5).to(io_dtype)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(m)])
