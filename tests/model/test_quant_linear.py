@@ -150,10 +150,9 @@ def test_int8_activations_stay_within_their_rounding(
 def test_a_row_gets_the_same_output_in_any_batch(
     level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
 ) -> None:
-    """K = 16384: the kernel takes rows in blocks of 8 MiB / K = 512 of int8 x (AVX512-VNNI)
-    or 256 KiB / K = 16 (AVX2), so a batch of 517 spans two row blocks and a partial tile on
-    both; every row's output is bit-identical alone, in batches of 1..9 starting anywhere,
-    and in the batch of 517."""
+    """K = 16384: the kernel takes rows in blocks of 8 MiB / K = 512 of int8 x, so a batch
+    of 517 spans two row blocks and a partial tile; every row's output is bit-identical alone,
+    in batches of 1..9 starting anywhere, and in the batch of 517."""
     lib = _library(level)
     k, m = 16384, 517
     assert (8 << 20) // k < m and m % 4

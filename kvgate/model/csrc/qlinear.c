@@ -1322,11 +1322,15 @@ static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias
 #else
 /* ---- AVX2: decoded columns, row dot products ---------------------------------------------
  * Blocks of C columns are decoded into a per-thread buffer (q [C][Kp], ws and wo
- * [C][Kp / 16]) and each row of x is multiplied by them, R rows at a time. Per 32 inputs: the
- * bytes shifted to signed (q - 128), vpmaddubsw of |q - 128| with x signed by q - 128 (exact:
- * a pair is at most 2 x 128 x 127 < 2^15), vpmaddwd with ones to 8 int32 lanes of 4 products,
- * to float32 times the lane's weight scale (groups of 16) and the row's (blocks of 32); the
- * offsets carry the + 128 (decode_columns' shift), one dot product over the groups at the end. */
+ * [C][Kp / 16]) and each row of x is multiplied by them, R rows at a time. Per 32 inputs:
+ * vpmaddubsw of the unsigned bytes with x (exact: every type but Q8_0 decodes to q <= 63, so
+ * a pair is at most 2 x 63 x 127 < 2^15), vpmaddwd with ones to 8 int32 lanes of 4 products,
+ * to float32 times the lane's weight scale (groups of 16) and the row's (blocks of 32); one
+ * dot product of the offsets over the groups at the end. Q8_0's bytes (q up to 255) are
+ * shifted to signed first (q - 128: vpmaddubsw of |q - 128| with x signed by q - 128, at most
+ * 2 x 128 x 127), its offsets carrying the + 128 (decode_columns' shift): a vpsignb per 32
+ * inputs, row and column more, which the others skip (Zen 4 forced to AVX2, Qwen
+ * shapes at 512 rows: Q4_K 104-130 -> 151-160 GFLOP/s, Q6_K 89-127 -> 139-162). */
 /* The decoded columns of one block: q [C][Kp], ws and wo [C][Kp / 16]; zeros past K. With
  * shift (the AVX2 products use q - 128), wo holds wo + 128 ws: the same sum. */
 static int decode_columns(const kvg_qweight* w, int64_t n0, int C, int64_t K, int64_t Kp,
@@ -1349,9 +1353,10 @@ static int decode_columns(const kvg_qweight* w, int64_t n0, int C, int64_t K, in
 
 #define MAX_R 4
 #define MAX_C 2
-#define DEFINE_QTILE(R, C)                                                                     \
-static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const uint8_t* q,  \
-                            const float* ws, float* out) {                                    \
+/* S: the columns' bytes are shifted (Q8_0), else taken as they are. */
+#define DEFINE_QTILE(R, C, S)                                                                  \
+static void qtile_##R##_##C##_##S(const int8_t* xq, const float* dx, int64_t Kp,             \
+                                  const uint8_t* q, const float* ws, float* out) {            \
     const __m256i wi = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                             \
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);           \
     __m256 acc[R][C];                                                                         \
@@ -1361,9 +1366,9 @@ static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const
         __m256i wabs[C], wsg[C];                                                              \
         __m256 sv[C];                                                                         \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                                 \
-            wsg[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + c * Kp + k)),   \
-                                      flip);                                                  \
-            wabs[c] = _mm256_abs_epi8(wsg[c]);                                                \
+            const __m256i qv = _mm256_loadu_si256((const __m256i*)(q + c * Kp + k));         \
+            wsg[c] = S ? _mm256_xor_si256(qv, flip) : qv;                                     \
+            wabs[c] = S ? _mm256_abs_epi8(wsg[c]) : qv;                                       \
             sv[c] = _mm256_permutevar8x32_ps(                                                 \
                 _mm256_castps128_ps256(_mm_castpd_ps(                                         \
                     _mm_load_sd((const double*)(ws + c * (Kp / 16) + k / 16)))),              \
@@ -1373,7 +1378,8 @@ static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * Kp + k));         \
             const __m256 xs = _mm256_broadcast_ss(dx + r * (Kp / 32) + k / 32);               \
             _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {                             \
-                const __m256i p16 = _mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(xv, wsg[c])); \
+                const __m256i p16 =                                                           \
+                    _mm256_maddubs_epi16(wabs[c], S ? _mm256_sign_epi8(xv, wsg[c]) : xv);     \
                 const __m256i p = _mm256_madd_epi16(p16, ones);                               \
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv[c], xs),  \
                                             acc[r][c]);                                       \
@@ -1387,21 +1393,42 @@ static void qtile_##R##_##C(const int8_t* xq, const float* dx, int64_t Kp, const
 
 typedef void (*qtile_fn)(const int8_t*, const float*, int64_t, const uint8_t*, const float*,
                          float*);
-DEFINE_QTILE(1, 1) DEFINE_QTILE(2, 1) DEFINE_QTILE(3, 1) DEFINE_QTILE(4, 1)
-DEFINE_QTILE(1, 2) DEFINE_QTILE(2, 2) DEFINE_QTILE(3, 2) DEFINE_QTILE(4, 2)
-static const qtile_fn QTILES[MAX_R + 1][MAX_C + 1] = {
-    {0},
-    {0, qtile_1_1, qtile_1_2},
-    {0, qtile_2_1, qtile_2_2},
-    {0, qtile_3_1, qtile_3_2},
-    {0, qtile_4_1, qtile_4_2},
+DEFINE_QTILE(1, 1, 0) DEFINE_QTILE(2, 1, 0) DEFINE_QTILE(3, 1, 0) DEFINE_QTILE(4, 1, 0)
+DEFINE_QTILE(1, 2, 0) DEFINE_QTILE(2, 2, 0) DEFINE_QTILE(3, 2, 0) DEFINE_QTILE(4, 2, 0)
+DEFINE_QTILE(1, 1, 1) DEFINE_QTILE(2, 1, 1) DEFINE_QTILE(3, 1, 1) DEFINE_QTILE(4, 1, 1)
+DEFINE_QTILE(1, 2, 1) DEFINE_QTILE(2, 2, 1) DEFINE_QTILE(3, 2, 1) DEFINE_QTILE(4, 2, 1)
+static const qtile_fn QTILES[2][MAX_R + 1][MAX_C + 1] = {
+    {
+        {0},
+        {0, qtile_1_1_0, qtile_1_2_0},
+        {0, qtile_2_1_0, qtile_2_2_0},
+        {0, qtile_3_1_0, qtile_3_2_0},
+        {0, qtile_4_1_0, qtile_4_2_0},
+    },
+    {
+        {0},
+        {0, qtile_1_1_1, qtile_1_2_1},
+        {0, qtile_2_1_1, qtile_2_2_1},
+        {0, qtile_3_1_1, qtile_3_2_1},
+        {0, qtile_4_1_1, qtile_4_2_1},
+    },
 };
+
+/* 1 where a column of [n0, n0 + C) is Q8_0 (decoded bytes up to 255: shifted). */
+static int columns_shifted(const kvg_qweight* w, int64_t n0, int C) {
+    for (int c = 0; c < C; ++c) {
+        int type;
+        if (weight_row(w, n0 + c, &type) && type == T_Q8_0) return 1;
+    }
+    return 0;
+}
 
 static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
     const int64_t Kp = a->Kp;
-    /* Contiguous ranges of whole column blocks per thread; rows in blocks whose int8 x stays
-     * in ~256 KiB of L2, the columns decoded again per block. */
+    /* Contiguous ranges of whole column blocks per thread; rows in blocks of up to 8 MiB of
+     * int8 x, the columns decoded again per block (as the VNNI path's panels; Zen 4 forced to
+     * AVX2, the down projection at 512 rows: 256 KiB blocks 138-140 GFLOP/s, 8 MiB 153-159). */
     const int64_t blocks = (N + MAX_C - 1) / MAX_C;
     const int64_t n_lo = blocks * tid / nt * MAX_C;
     int64_t n_hi = blocks * (tid + 1) / nt * MAX_C;
@@ -1411,17 +1438,18 @@ static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias
     if (!q) return n_lo < n_hi ? -2 : 0;
     float* ws = (float*)(q + qbytes);
     float* wo = (float*)(q + qbytes + sbytes);
-    int64_t mb = 262144 / Kp;
+    int64_t mb = ((int64_t)8 << 20) / Kp;
     mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
     float out[MAX_R * MAX_C];
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
         const int64_t m1 = m0 + mb < M ? m0 + mb : M;
         for (int64_t n0 = n_lo; n0 < n_hi; n0 += MAX_C) {
             const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
-            if (decode_columns(w, n0, C, K, Kp, q, ws, wo, 1)) return -1;
+            const int shift = columns_shifted(w, n0, C);
+            if (decode_columns(w, n0, C, K, Kp, q, ws, wo, shift)) return -1;
             for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
                 const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
-                QTILES[R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
+                QTILES[shift][R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
                 for (int r = 0; r < R; ++r)
                     for (int c = 0; c < C; ++c) {
                         const float v = out[r * MAX_C + c] +
