@@ -75,6 +75,19 @@ class GrammarCompiler:
                 f"{_first_lines(matcher.get_error())}",
                 param=grammar.param,
             )
+        # Bytes every output must start with that no run of tokens spells (SmolLM2's
+        # vocabulary has no 0xF1, so a choice of "\U00040000" cannot be written): llguidance's
+        # mask then offers a token that its own parser refuses, a failure mid-decode.
+        forced = matcher.compute_ff_bytes()
+        if (
+            forced
+            and self.lltokenizer.decode_bytes(self.lltokenizer.tokenize_bytes(forced)) != forced
+        ):
+            raise InvalidRequest(
+                f"the {grammar.kind.replace('_', ' ')} requires bytes ({forced[:16]!r}) that this "
+                "model's vocabulary cannot produce",
+                param=grammar.param,
+            )
         with self._lock:
             self.misses += 1
             self._cache[grammar.text] = matcher

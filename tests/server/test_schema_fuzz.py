@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvgate.launch.server import engine_loader
@@ -205,6 +205,8 @@ def test_chat_schema(http: TestClient, body: dict[str, Any]) -> None:
 
 @FUZZ
 @given(body=COMPLETION)
+# found by this test: a choice SmolLM2's vocabulary cannot spell (no 0xF1 byte) was a 500
+@example(body={"prompt": "0", "response_format": {"type": "choice", "choice": ["\U00040000"]}})
 def test_completions_schema(http: TestClient, body: dict[str, Any]) -> None:
     check(http.post("/v1/completions", json=body))
 

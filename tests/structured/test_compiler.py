@@ -4,7 +4,12 @@ import pytest
 
 from kvgate.errors import InvalidRequest
 from kvgate.structured.compiler import GrammarCompiler
-from kvgate.structured.spec import json_schema_grammar, lark_grammar, regex_grammar
+from kvgate.structured.spec import (
+    choice_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
 from kvgate.tokenizer import Tokenizer
 
 
@@ -48,3 +53,15 @@ def test_what_does_not_compile_is_a_400_naming_the_field(
         compiler.check(grammar)  # type: ignore[arg-type]
     assert info.value.param == grammar.param  # type: ignore[attr-defined]
     assert "does not compile" in info.value.message
+
+
+def test_output_the_vocabulary_cannot_spell_is_a_400_before_any_work(
+    compiler: GrammarCompiler,
+) -> None:
+    """SmolLM2's vocabulary has no token with the byte 0xF1 (U+40000 is F1 80 80 80):
+    llguidance's mask would offer a token its parser then refuses, a 500 mid-decode (found by
+    the schema fuzz test). Refused when the grammar is checked; choices it can spell pass."""
+    with pytest.raises(InvalidRequest, match="cannot produce") as info:
+        compiler.check(choice_grammar(["\U00040000"], "response_format.choice"))
+    assert info.value.param == "response_format.choice"
+    compiler.check(choice_grammar(["😀 ok", "新"], "response_format.choice"))
