@@ -3,8 +3,9 @@
 Levels, lowest first: ``generic`` (plain C, no vector path), ``avx2`` (AVX2 + FMA + F16C:
 every x86-64 CPU since 2013-2015, AMD EPYC included), ``avx512`` (F/BW/VL/DQ: Skylake-SP,
 Cascade Lake), ``avx512bf16`` (plus AVX512-BF16 and AVX512-VNNI: Cooper Lake, Sapphire
-Rapids, Zen 4), ``amx`` (plus AMX-TILE and AMX-BF16: Sapphire Rapids and later Xeons; the bf16
-linear runs on AMX tiles, every other op as at ``avx512bf16``).
+Rapids, Zen 4), ``amx`` (plus AMX-TILE, AMX-BF16 and AMX-INT8: Sapphire Rapids and later
+Xeons; the bf16 linear and the block-format kernels run on AMX tiles, every other op as at
+``avx512bf16``).
 
 The level is the best one this CPU has, or the one ``KVGATE_CPU_ISA`` asks for: a lower
 level runs a lower kernel path on a higher machine (how the tests cover every path on
@@ -31,7 +32,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512_bf16", "avx512_vnni"),
-    "amx": ("amx_tile", "amx_bf16"),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 
 #: Compiler target of each level. Named CPUs rather than -march=native, so a library built

@@ -116,6 +116,13 @@ class PackedCpuLinear:
 BF16_DOT_ISAS = ("avx512bf16", "amx")
 
 
+def quant_path(isa: str) -> str:
+    """How logs name the block kernels of a library built for ``isa``: the avx512bf16 build
+    multiplies on AVX512-VNNI; the amx build on AMX-INT8 tiles (it reports ``avx512bf16``
+    where Linux refused it the tile state)."""
+    return {"avx512bf16": "avx512vnni", "amx": "amx"}.get(isa, isa)
+
+
 class Bf16DotLinear:
     """``linear_bf16`` (AVX512-BF16, or AMX) over a weight packed once: [N / 32, K / 2, 32, 2]
     bf16.
@@ -399,10 +406,11 @@ class LinearFactory:
 
     @property
     def quant_isa(self) -> str:
-        """The vector path of the block-format kernels: VNNI where built, else AVX2."""
+        """The vector path of the block-format kernels: AMX int8 tiles for batches (one row
+        still on VNNI) where Linux grants the tile state, VNNI where built, else AVX2."""
         if self.quant is None:
             return "none"
-        return "avx512vnni" if self.quant.isa in BF16_DOT_ISAS else self.quant.isa
+        return quant_path(self.quant.isa)
 
     def _native(self, parts: Sequence[Weight]) -> list[QuantTensor] | None:
         """``parts`` when every one is in a block format ``qlinear.c`` multiplies here."""

@@ -18,7 +18,8 @@ def vector_levels() -> list[str]:
 def vector_path(level: str, op: str = "attention") -> str:
     """The vector path a library built for ``level`` reports (its ``kvgate_isa()``): the
     ``avx512`` level has no kernels of its own and runs the AVX2 ones; at ``amx`` only the
-    linear has a path of its own, the other ops run their avx512bf16 one."""
+    linear and the block-format kernels (``quant``) have paths of their own, the other ops run
+    their avx512bf16 one."""
     if level == "amx":
-        return "amx" if op == "linear" else "avx512bf16"
+        return "amx" if op in ("linear", "quant") else "avx512bf16"
     return "avx512bf16" if level == "avx512bf16" else "avx2"

@@ -13,7 +13,13 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvgate.model.cpu_kernels import KernelLibrary, load_quant_lib
-from kvgate.model.linear import BF16_DOT_ISAS, LinearFactory, LogitsHead, _log_fallback
+from kvgate.model.linear import (
+    BF16_DOT_ISAS,
+    LinearFactory,
+    LogitsHead,
+    _log_fallback,
+    quant_path,
+)
 from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, native_qtype
 from kvgate.model.quant_tensor import QuantTensor, quantize_q8_0
 from tests.model.isa import vector_levels
@@ -330,7 +336,7 @@ def test_the_factory_keeps_native_blocks_and_dequantizes_the_rest(
     assert torch.equal(layer(x), QuantLinear(parts, bias, lib, io_dtype=dtype)(x))
     assert isinstance(native(parts[0], None), QuantLinear)  # a single tensor, by __call__
     assert native.native_qtypes == {"Q4_K", "Q6_K"}
-    assert native.path == f"Q4_K+Q6_K-{'avx512vnni' if lib.isa in BF16_DOT_ISAS else 'avx2'}"
+    assert native.path == f"Q4_K+Q6_K-{quant_path(lib.isa)}"
     assert isinstance(native.embedding(parts[0]), QuantEmbedding)
     head = native.logits(parts[0])
     assert isinstance(head, LogitsHead) and head.float32_sums
@@ -399,7 +405,7 @@ def test_int8_quantization_runs_dense_weights_as_q8_0_blocks(level: str, quantiz
     blocks = quantize_q8_0(w, "w")
     x = _inputs(3, 96, seed=22).to(torch.bfloat16)
     assert torch.equal(layer(x), QuantLinear([blocks], bias, lib, io_dtype=torch.bfloat16)(x))
-    isa = "avx512vnni" if lib.isa in BF16_DOT_ISAS else "avx2"
+    isa = quant_path(lib.isa)
     assert factory.path == f"{quantization}-Q8_0-{isa}"
     head = factory.logits(w)
     assert isinstance(head.layer, QuantLinear) and head.layer.float32_out
@@ -409,3 +415,30 @@ def test_int8_quantization_runs_dense_weights_as_q8_0_blocks(level: str, quantiz
     assert torch.equal(fused(x), QuantLinear([blocks], None, lib, io_dtype=torch.bfloat16)(x))
     odd = factory(torch.randn(8, 40), None)  # 40 inputs: not whole blocks
     assert not isinstance(odd, QuantLinear)
+
+
+@pytest.mark.skipif("amx" not in LEVELS, reason="AMX needs a Sapphire Rapids or later Xeon")
+@qtypes
+def test_the_amx_tiles_equal_the_vnni_panels(qtype: GGMLQuantizationType) -> None:
+    """The AMX int8 tiles (batches of 16 rows and more) take the VNNI panels' exact group
+    sums through the same float32 steps in the same order: bit-identical outputs, for whole
+    blocks of 16 rows, a padded last block, partial panels (37 columns), a layer whose panels
+    mix Q4_K's steps per 32 and Q6_K's per 16, and both output dtypes. So a batch on the tiles
+    and a row alone on the one-row path still agree."""
+    amx, vnni = _library("amx"), _library("avx512bf16")
+    if amx.isa != "amx":
+        pytest.skip("Linux did not grant this process the AMX tile state")
+    k = _k_values(qtype)[-1]
+    layers = [[random_quant(qtype, 37, k, seed=int(qtype) + 7)]]
+    if qtype == Q.Q6_K:
+        layers.append([random_quant(t, n, k, seed=i, name=f"p{i}") for i, (t, n) in
+                       enumerate(((Q.Q4_K, 16), (Q.Q4_K, 8), (Q.Q6_K, 29)))])  # fmt: skip
+    for parts in layers:
+        for m in (16, 21, 40):
+            x = _inputs(m, k, seed=m).bfloat16()
+            for out32 in (True, False):
+                on = [QuantLinear(parts, None, lib, io_dtype=torch.bfloat16, float32_out=out32)
+                      for lib in (amx, vnni)]  # fmt: skip
+                tiles, panels = on[0](x), on[1](x)
+                assert torch.equal(tiles, panels), (m, out32)
+                assert torch.equal(tiles[m // 2], on[0](x[m // 2 : m // 2 + 1])[0])

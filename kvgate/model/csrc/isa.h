@@ -2,8 +2,9 @@
  * (-march per level, see model/cpu_isa.py), and reported back to Python by kvgate_isa().
  *
  *   KVGATE_AMX         AMX-TILE + AMX-BF16 (Sapphire Rapids and later), on top of AVX512-BF16:
- *                      tdpbf16ps on 16 x 16 tiles. Only linear.c has a path of its own here;
- *                      the other libraries of the amx level run, and report, avx512bf16.
+ *                      tdpbf16ps on 16 x 16 tiles. linear.c (bf16) and qlinear.c (AMX-INT8's
+ *                      tdpbsud) have paths of their own here; the other libraries of the amx
+ *                      level run, and report, avx512bf16.
  *   KVGATE_AVX512BF16  AVX512F + AVX512-BF16: vdpbf16ps on bf16 pairs, 16 fp32 lanes
  *   KVGATE_AVX2        AVX2 + FMA: 8 fp32 lanes, bf16 widened in registers. Also defined in
  *                      the AVX-512 builds (those CPUs run AVX2), where an op has no

@@ -26,20 +26,28 @@
  * With AVX512-VNNI a column of a type whose ws and wo hold per 32 inputs (all but Q6_K) takes
  * one float32 step per 32 (the pair's exact integer sum, xs32 = dx x the block's sum).
  *
- * Loops: columns are split into contiguous ranges per thread; rows go in blocks whose int8 x
- * fits in ~256 KiB of L2, each block decoding the columns again. AVX512-VNNI: panels of 16
- * columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for one row, the same
- * sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by row1_run, 128
- * inputs per load and the scales of 16 rows gathered at once). AVX2: blocks of 2 decoded
- * columns and row dot products (further below). Measured on Zen 4, one thread, a 4096 x 1536
+ * Loops: columns are split into contiguous ranges per thread; rows go in blocks of ~8 MiB of
+ * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
+ * panels of 16 columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for
+ * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
+ * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: blocks of
+ * 2 decoded columns and row dot products (further below). Measured on Zen 4, one thread, a 4096 x 1536
  * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
  * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
  * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
  * panel_per32), 110 for Q6_K (per 16), against 111 for both with every step per 16.
+ * AMX-INT8 (the amx build, 16 rows and more): the same decoded panels as the B tiles of
+ * tdpbsud, 16 rows of x as A, the group sums through the same float32 steps (bit-identical);
+ * Xeon with AMX, 2 threads, Qwen 1.5B shapes: Q4_K 480 -> 518 GFLOP/s at 32 rows, 662 -> 825
+ * at 512; Q6_K 376 -> 415 and 529 -> 591 (bench/qlinears.py). The float32 steps, not the
+ * tiles, bound it: without them the tiles reach ~1.6 TFLOP/s.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX tile state */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "isa.h"
 #ifdef _OPENMP
@@ -518,6 +526,7 @@ typedef struct {
 #define PANEL 16
 #define MAX_R 4
 #define MAX_P 2
+#define AMX_ROWS 16 /* rows per AMX tile; row blocks are whole multiples of it */
 
 /* 64 decoded bytes of a row in one register. */
 static inline __m512i decode64_zmm(const uint8_t* row, int type, int64_t k0, int half) {
@@ -1005,6 +1014,26 @@ static const ptile_fn PTILES[2][MAX_R + 1][MAX_P + 1] = {
     },
 };
 
+/* Rows [r0, r0 + R) of y, columns [16 p, 16 p + cols), from out [R][MAX_P * 16] plus bias. */
+static void store_rows(const float* out, int R, int64_t r0, int64_t p, int64_t cols, int64_t N,
+                       const float* bias, void* y, int f32) {
+    for (int r = 0; r < R; ++r) {
+        const float* o = out + r * MAX_P * PANEL;
+        const int64_t at = (r0 + r) * N + p * PANEL;
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            __m512 v = _mm512_load_ps(o + c);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * PANEL + c));
+            if (f32)
+                _mm512_storeu_ps((float*)y + at + c, v);
+            else
+                _mm256_storeu_si256((__m256i*)((uint16_t*)y + at + c), bf16x16_round(v));
+        }
+        for (; c < cols; ++c)
+            store_one(y, at + c, o[c] + (bias ? bias[p * PANEL + c] : 0.0f), f32);
+    }
+}
+
 /* Rows [m0, m1) of y for this thread's panels [p_lo, p_hi). */
 static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                           int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N,
@@ -1057,25 +1086,185 @@ static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bia
                     }
                 }
             }
-            for (int r = 0; r < R; ++r) {
-                const float* o = out + r * MAX_P * PANEL;
-                const int64_t at = (r0 + r) * N + p * PANEL;
-                int64_t c = 0;
-                for (; c + 16 <= cols; c += 16) {
-                    __m512 v = _mm512_load_ps(o + c);
-                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * PANEL + c));
-                    if (f32)
-                        _mm512_storeu_ps((float*)y + at + c, v);
-                    else
-                        _mm256_storeu_si256((__m256i*)((uint16_t*)y + at + c), bf16x16_round(v));
-                }
-                for (; c < cols; ++c)
-                    store_one(y, at + c, o[c] + (bias ? bias[p * PANEL + c] : 0.0f), f32);
-            }
+            store_rows(out, R, r0, p, cols, N, bias, y, f32);
         }
     }
     return 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* ---- AMX int8 tiles (Sapphire Rapids and later) -------------------------------------------
+ * A decoded panel is already the B operand of tdpbsud (per 4 inputs, the 16 columns' 4
+ * unsigned bytes: 64-byte tile rows), and 16 rows of int8 x at row stride Kp are its A operand
+ * (signed). So one tdpbsud of 16 rows x W inputs (W = 16 or 32: one float32 step's group)
+ * gives the 16 x 16 exact group sums that 4 W vpdpbusd give ptile; they are stored to L1
+ * and taken through ptile's float32 steps, in ptile's order (the same two roundings per
+ * group per output). The outputs are bit-identical to ptile's and qlinear_row1's, so a batch
+ * may go to the tiles while one row goes to row1 and no sequence's logits change.
+ * The float32 steps are now most of the work (4 vector instructions per row per group of 16
+ * columns, against 1 tdpbsud per 16 rows), and the tiles alternate between two
+ * accumulators so the steps of one group overlap the next group's tdpbsud. */
+#define KVG_QAMX 1
+#define KVG_ARCH_REQ_XCOMP_PERM 0x1023
+#define KVG_XFEATURE_XTILEDATA 18
+/* From how many rows a call takes the tiles (measured: see qlinear_range). */
+#define AMX_MIN_ROWS 16
+static int amx_ready;
+
+/* Linux gives a process the tile state only when asked (once, for all its threads); refused
+ * (an old kernel, a hypervisor hiding it), the library runs and reports the VNNI path. */
+__attribute__((constructor)) static void amx_request(void) {
+    amx_ready = syscall(SYS_arch_prctl, KVG_ARCH_REQ_XCOMP_PERM, KVG_XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Palette 1: tiles 0-1 the group sums (16 rows x 16 int32), 2-3 and 4-5 x and the panel for
+ * groups of 32 inputs (even and odd groups), 6-7 the same for groups of 16. */
+static void amx_configure(void) {
+    static const uint8_t rows[8] = {AMX_ROWS, AMX_ROWS, AMX_ROWS, 8, AMX_ROWS, 8, AMX_ROWS, 4};
+    static const uint16_t colsb[8] = {64, 64, 32, 64, 32, 64, 16, 64};
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = rows[t];
+        c.colsb[t] = colsb[t];
+    }
+    _tile_loadconfig(&c);
+}
+
+/* ptile's float32 steps for group g of 16 rows, their exact sums in sums [16][16]. */
+#define AMX_STEPS(W, g, sums)                                                                \
+    do {                                                                                      \
+        const __m512 sc = _mm512_loadu_ps(ws + (W / 16) * (g) * PANEL);                       \
+        const __m512 of = _mm512_loadu_ps(wo + (W / 16) * (g) * PANEL);                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) {                        \
+            const __m512 d = _mm512_set1_ps(dx[r * (Kp / 32) + (g) * W / 32]);                \
+            const __m512 s = _mm512_set1_ps(xs[r * (Kp / W) + (g)]);                          \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((sums) + 16 * r)),  \
+                                     _mm512_mul_ps(sc, d), acc[r]);                           \
+            acc[r] = _mm512_fmadd_ps(of, s, acc[r]);                                          \
+        }                                                                                     \
+    } while (0)
+
+/* 16 rows x one panel: out [16][MAX_P * 16] float32 sums, offsets included, as ptile_R_1_W
+ * gives them. xq, dx, xs: the rows' (16 of them, padded with zero rows where fewer). */
+#define DEFINE_AMX_TILE(W, A0, B0, A1, B1)                                                    \
+static void amx_tile_##W(const int8_t* xq, const float* dx, const float* xs, int64_t Kp,      \
+                         const uint32_t* qi, const float* ws, const float* wo, float* out) {  \
+    int32_t sums[3][AMX_ROWS * 16] __attribute__((aligned(64)));                              \
+    __m512 acc[AMX_ROWS];                                                                     \
+    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();                          \
+    const int64_t G = Kp / W;                                                                 \
+    for (int64_t g = 0; g < G + 2; ++g) {                                                     \
+        if (g < G) {                                                                          \
+            if (g & 1) {                                                                      \
+                _tile_zero(1);                                                                \
+                _tile_loadd(A1, xq + W * g, Kp);                                              \
+                _tile_loadd(B1, qi + (W / 4) * g * PANEL, 64);                                \
+                _tile_dpbsud(1, A1, B1);                                                      \
+            } else {                                                                          \
+                _tile_zero(0);                                                                \
+                _tile_loadd(A0, xq + W * g, Kp);                                              \
+                _tile_loadd(B0, qi + (W / 4) * g * PANEL, 64);                                \
+                _tile_dpbsud(0, A0, B0);                                                      \
+            }                                                                                 \
+        }                                                                                     \
+        if (g >= 1 && g <= G) { /* the previous group's sums, out while this one multiplies */ \
+            if ((g - 1) & 1)                                                                  \
+                _tile_stored(1, sums[(g - 1) % 3], 64);                                       \
+            else                                                                              \
+                _tile_stored(0, sums[(g - 1) % 3], 64);                                       \
+        }                                                                                     \
+        if (g >= 2) AMX_STEPS(W, g - 2, sums[(g - 2) % 3]); /* stored an iteration ago */      \
+    }                                                                                         \
+    for (int r = 0; r < AMX_ROWS; ++r) _mm512_store_ps(out + r * MAX_P * PANEL, acc[r]);      \
+}
+
+DEFINE_AMX_TILE(32, 2, 3, 4, 5)
+DEFINE_AMX_TILE(16, 6, 7, 6, 7)
+
+/* qlinear_panels on tiles: rows [m0, m1) in blocks of 16 (the last block's rows copied,
+ * zero-padded, once per call), each block through both panels of a decoded pair. */
+static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                              int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N,
+                              int64_t K, int f32) {
+    const int64_t Kp = a->Kp, sq = Kp / 4 * PANEL, ss = panel_groups(Kp) * PANEL;
+    uint8_t* buf = (uint8_t*)thread_scratch((size_t)MAX_P * (sq * 4 + 2 * ss * 4));
+    if (!buf) return -2;
+    uint32_t* qi = (uint32_t*)buf;
+    float* ws = (float*)(qi + MAX_P * sq);
+    float* wo = ws + MAX_P * ss;
+    /* the rows after the whole blocks of 16, padded: xq [16][Kp], dx, xs32 [16][Kp / 32],
+     * xs [16][Kp / 16] */
+    const int64_t tail = (m1 - m0) % AMX_ROWS, t0 = m1 - tail;
+    int8_t* pad = NULL;
+    if (tail) {
+        pad = (int8_t*)calloc(1, (size_t)AMX_ROWS * (Kp + 4 * (Kp / 32 * 2 + Kp / 16)));
+        if (!pad) return -2;
+        memcpy(pad, a->xq + t0 * Kp, (size_t)(tail * Kp));
+        float* f = (float*)(pad + AMX_ROWS * Kp);
+        memcpy(f, a->dx + t0 * (Kp / 32), (size_t)(tail * (Kp / 32)) * 4);
+        memcpy(f + AMX_ROWS * (Kp / 32), a->xs32 + t0 * (Kp / 32), (size_t)(tail * (Kp / 32)) * 4);
+        memcpy(f + 2 * AMX_ROWS * (Kp / 32), a->xs + t0 * (Kp / 16), (size_t)(tail * (Kp / 16)) * 4);
+    }
+    float out[AMX_ROWS * MAX_P * PANEL] __attribute__((aligned(64)));
+    float o32[AMX_ROWS * MAX_P * PANEL] __attribute__((aligned(64)));
+    for (int64_t p = p_lo; p < p_hi; p += MAX_P) {
+        const int P = p_hi - p < MAX_P ? (int)(p_hi - p) : MAX_P;
+        unsigned per32[MAX_P];
+        for (int i = 0; i < P; ++i) {
+            const int64_t n0 = (p + i) * PANEL;
+            const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            if (decode_panel(w, n0, cols, N, K, Kp, MAX_P, qi + i * sq, ws + i * ss, wo + i * ss)) {
+                free(pad);
+                return -1;
+            }
+            per32[i] = panel_per32(w, n0, cols);
+        }
+        const int64_t cols = (p + P) * PANEL < N ? P * PANEL : N - p * PANEL;
+        for (int64_t r0 = m0; r0 < m1; r0 += AMX_ROWS) {
+            const int R = m1 - r0 < AMX_ROWS ? (int)(m1 - r0) : AMX_ROWS;
+            const int8_t* xq = a->xq + r0 * Kp;
+            const float* dx = a->dx + r0 * (Kp / 32);
+            const float* xs16 = a->xs + r0 * (Kp / 16);
+            const float* xs32 = a->xs32 + r0 * (Kp / 32);
+            if (R < AMX_ROWS) {
+                const float* f = (const float*)(pad + AMX_ROWS * Kp);
+                xq = pad;
+                dx = f;
+                xs32 = f + AMX_ROWS * (Kp / 32);
+                xs16 = f + 2 * AMX_ROWS * (Kp / 32);
+            }
+            for (int i = 0; i < P; ++i) {
+                const uint32_t* q = qi + i * sq;
+                const float *s = ws + i * ss, *o = wo + i * ss;
+                if (per32[i] != ALL_LANES) amx_tile_16(xq, dx, xs16, Kp, q, s, o, out + i * PANEL);
+                if (per32[i] == 0) continue;
+                if (per32[i] == ALL_LANES) {
+                    amx_tile_32(xq, dx, xs32, Kp, q, s, o, out + i * PANEL);
+                    continue;
+                }
+                /* a panel of both kinds: per 16, then per 32 blended into its lanes */
+                amx_tile_32(xq, dx, xs32, Kp, q, s, o, o32);
+                for (int r = 0; r < R; ++r) {
+                    float* at = out + r * MAX_P * PANEL + i * PANEL;
+                    _mm512_store_ps(at, _mm512_mask_blend_ps((__mmask16)per32[i], _mm512_load_ps(at),
+                                                             _mm512_load_ps(o32 + r * MAX_P * PANEL)));
+                }
+            }
+            store_rows(out, R, r0, p, cols, N, bias, y, f32);
+        }
+    }
+    free(pad);
+    return 0;
+}
+#endif
 
 /* p[c]: column c's vpdpbusd of one 64-input chunk (lane 4 g + i: inputs 16 g + 4 i .. + 3)
  * -> out[g]: lane c = column c's exact sum over group g (inputs 16 g .. 16 g + 15). */
@@ -1311,13 +1500,26 @@ static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias
     const int64_t p_lo = panels * tid / nt, p_hi = panels * (tid + 1) / nt;
     if (M == 1) return qlinear_row1(w, a, bias, y, p_lo, p_hi, N, K, f32);
     int64_t mb = ((int64_t)8 << 20) / a->Kp;
-    mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
-    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+    mb = mb < AMX_ROWS ? AMX_ROWS : mb / AMX_ROWS * AMX_ROWS;
+#ifdef KVG_QAMX
+    const int tiles = amx_ready && M >= AMX_MIN_ROWS;
+    if (tiles) amx_configure(); /* per thread: the configuration is thread state */
+#endif
+    int rc = 0;
+    for (int64_t m0 = 0; m0 < M && !rc; m0 += mb) {
         const int64_t m1 = m0 + mb < M ? m0 + mb : M;
-        const int rc = qlinear_panels(w, a, bias, y, m0, m1, p_lo, p_hi, N, K, f32);
-        if (rc) return rc;
+#ifdef KVG_QAMX
+        if (tiles) {
+            rc = qlinear_panels_amx(w, a, bias, y, m0, m1, p_lo, p_hi, N, K, f32);
+            continue;
+        }
+#endif
+        rc = qlinear_panels(w, a, bias, y, m0, m1, p_lo, p_hi, N, K, f32);
     }
-    return 0;
+#ifdef KVG_QAMX
+    if (tiles) _tile_release();
+#endif
+    return rc;
 }
 #else
 /* ---- AVX2: decoded columns, row dot products ---------------------------------------------
@@ -1527,4 +1729,9 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
 }
 #endif
 
+#ifdef KVG_QAMX
+/* The tiles' path says so when Linux granted the tile state. */
+const char* kvgate_isa(void) { return amx_ready ? "amx" : KVGATE_ISA_NAME; }
+#else
 KVGATE_DEFINE_ISA()
+#endif
