@@ -51,9 +51,11 @@ def upcast_attention(dtype: torch.dtype, device: torch.device) -> bool:
 #:   goes native there (a day earlier, before those panels, bf16 led: 101 vs 74, 333 vs 292).
 #: - The AVX2 blocks beside the AVX2 bf16 linear (the same Zen 4 forced to avx2, same day):
 #:   bf16 leads, 87 against 60 tok/s at batch 1, 186 against 112 at 32 sequences.
-#: - Beside the AMX bf16 linear, whose tiles multiply many rows far faster than VNNI (SmolLM2
-#:   at 32 streams on an AMX Xeon: bf16 598 tok/s, the int8 path of the time 275; the block
-#:   kernels not yet measured there), small models stay bf16 until the blocks have AMX tiles.
+#: - The AMX int8 blocks beside the AMX bf16 linear (a Xeon with AMX, 2026-12-05, the blocks
+#:   on tiles from 16 rows): SmolLM2 batch-1 decode 207 tok/s native against 94 in bf16, but
+#:   32 sequences 537-547 against 634-645 (two runs each, alternated): bf16's tiles multiply
+#:   many rows faster than the int8 tiles, whose float32 steps per group bound them. Not a win
+#:   at both, so small models stay bf16 there.
 #: - Qwen2.5-Coder-1.5B Q4_K_M (3.1 GB in bf16) is native on every path: on the Zen 4 its
 #:   batch-1 decode was within 4% of bf16 before the one-row kernels (10.6 against 11.0 tok/s)
 #:   and 23.0 after, in a third of the memory and a tenth of the start-up; hence 1 GiB.
