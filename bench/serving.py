@@ -6,10 +6,12 @@ Method (vLLM's ``bench serve``, from shared/brief/bench.md): streaming requests 
 request has a random prompt and a fixed output length (``ignore_eos``). Reported per run:
 TTFT, inter-token latency (gap between streamed chunks), TPOT and end-to-end latency
 p50/p90/p99, and output tokens/s over the run's wall time. All servers are up for the whole
-run (idle, a server uses no CPU) and the runs alternate between them, kvgate first, then the
-peers, scenario by scenario. The servers start one at a time, so that each one's start-to-ready
-time (from spawn until its /health answers 200) is its own; each one's resident memory (VmRSS of
-its process and all its descendants, from /proc, after the runs) is reported next to it.
+run and the runs alternate between them, kvgate first, then the peers, scenario by scenario;
+while one server runs, every other one is stopped (SIGSTOP to its process group, SIGCONT
+after), so no idle server's threads (a polling worker, a timer) take CPU from the one measured.
+The servers start one at a time, so that each one's start-to-ready time (from spawn until its
+/health answers 200) is its own; each one's resident memory (VmRSS of its process and all its
+descendants, from /proc, after the runs) is reported next to it.
 
 Each scenario also prints its linear work (the FLOPs of every prompt and output token through
 the model's projections and LM head) and, per server, the rate at which it got through it, next
@@ -55,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,12 @@ class Server:
     ready_s: float = float("nan")  # spawn -> first 200 from /health
     rss: int = 0  # bytes, the process tree's VmRSS, read after the runs
     pss: int = 0  # bytes, the same tree's proportional set size (shared pages split)
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) the server's whole process group, so it takes no CPU at all
+        while another server is measured."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def stop(self) -> None:
         """SIGTERM to the server, as a user stops it; after 20 s, SIGKILL to its whole process
@@ -172,6 +181,19 @@ def tree_memory(pid: int) -> tuple[int, int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # exited meanwhile
     return rss, pss
+
+
+@contextlib.contextmanager
+def alone(server: Server, servers: list[Server]) -> Iterator[None]:
+    """Every server but ``server`` stopped for the duration."""
+    others = [s for s in servers if s is not server]
+    for other in others:
+        other.pause(True)
+    try:
+        yield
+    finally:
+        for other in others:
+            other.pause(False)
 
 
 def start_kvgate(
@@ -608,7 +630,8 @@ def main() -> None:
         tokenizer = model_tokenizer(a.model)
         warm = make_prompts(4, (16, 32), seed=a.seed + 99, tokenizer=tokenizer)
         for server in servers:  # warm-up: kernels, caches, first-request paths
-            asyncio.run(run_load(server.url, warm, 8, rate=None, concurrency=4, seed=0))
+            with alone(server, servers):
+                asyncio.run(run_load(server.url, warm, 8, rate=None, concurrency=4, seed=0))
 
         scenarios: list[tuple[str, float | None, int]] = [
             (f"poisson {r:g} req/s", r, a.num_requests) for r in a.rates
@@ -635,12 +658,13 @@ def main() -> None:
                     flush=True,
                 )
                 for server in servers:
-                    results, wall = asyncio.run(
-                        run_load(
-                            server.url, prompts, a.output_len,
-                            rate=rate, concurrency=a.concurrency, seed=seed,
-                        )
-                    )  # fmt: skip
+                    with alone(server, servers):
+                        results, wall = asyncio.run(
+                            run_load(
+                                server.url, prompts, a.output_len,
+                                rate=rate, concurrency=a.concurrency, seed=seed,
+                            )
+                        )  # fmt: skip
                     runs[server.name].append(summarize(results, wall) | {"flop_s": flops / wall})
                     label = server.name if a.repeats == 1 else f"{server.name} #{repeat + 1}"
                     print(fmt_row(label, runs[server.name][-1]), flush=True)
