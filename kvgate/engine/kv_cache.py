@@ -38,8 +38,13 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         layout: KVLayout | None = None,
+        roles_apart: bool = False,
     ):
+        """``roles_apart``: the model computes prompt tokens differently from generated ones
+        (``Model.prompt_tiles``), so a block holding generated tokens is keyed apart: a later
+        prompt with the same tokens computes them as a prompt, never reads that block."""
         self.block_size = block_size
+        self.roles_apart = roles_apart
         self.layout = layout or _one_group()
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
@@ -97,7 +102,11 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+            salt = request.cache_salt
+            prompt_in_block = request.num_prompt_tokens - i * bs
+            if self.roles_apart and prompt_in_block < bs:  # holds generated tokens
+                salt = (salt or b"") + b"\x00generated-from" + max(prompt_in_block, 0).to_bytes(2)
+            hashes.append(hash_block_tokens(parent, tokens, salt))
 
     def _key(self, block_hash: BlockHash, group: int) -> BlockHash:
         """The block's cache key in ``group``: groups hold different layers' KV, so the same

@@ -174,6 +174,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             layout=self.kv_layout,
+            roles_apart=self.model.prompt_tiles,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

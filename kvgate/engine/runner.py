@@ -18,6 +18,7 @@ from kvgate.engine.sampler import Sampler, SamplingState
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.kv_layout import KVGroup, KVLayout
 from kvgate.model.protocol import Model
+from kvgate.model.row_roles import RowRoles
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.compiler import GrammarCompiler
 from kvgate.structured.masks import MaskBuilder
@@ -74,6 +75,9 @@ class FlatBatch:
     meta: tuple[AttentionMetadata, ...]
     sample_rows: torch.Tensor  # [S] row of the last token of each sampling sequence
     sample_ids: tuple[str, ...]  # request id of each sampling row, in order
+    #: The prompt rows, where the model's linears depend on it (``Model.prompt_tiles``):
+    #: rows at positions below their request's prompt length. None: none, or it does not.
+    roles: RowRoles | None = None
 
 
 class ModelRunner:
@@ -132,7 +136,12 @@ class ModelRunner:
         ]
         masks = self._mask_builder().start([m for _, m in guided]) if guided else None
         layers = self.model.stepwise(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers is not None
+            batch.input_ids,
+            batch.positions,
+            self.kv_caches,
+            batch.meta,
+            between_layers is not None,
+            batch.roles,
         )
         try:
             while True:
@@ -147,7 +156,8 @@ class ModelRunner:
             layers.close()  # a hook that raised leaves no half-run forward behind
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        roles = batch.roles.rows(batch.sample_rows) if batch.roles is not None else None
+        logits = self.model.compute_logits(hidden[batch.sample_rows], roles)
         sampling = [self._sampling_state(rid) for rid in batch.sample_ids]
         allowed = None
         if masks is not None:
@@ -201,9 +211,13 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        is_prompt: list[bool] = []
         for seq in decodes + prefills:
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.context_len)
+            if self.model.prompt_tiles:
+                prompt_len = len(self.states[seq.request_id].prompt_token_ids)
+                is_prompt += [p < prompt_len for p in range(seq.start_pos, seq.context_len)]
             if seq.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(seq.request_id)
@@ -218,6 +232,7 @@ class ModelRunner:
             meta=tuple(metas[g] for g in self._layer_group),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_ids=tuple(sample_ids),
+            roles=RowRoles.of(is_prompt),
         )
 
     def _group_meta(

@@ -23,6 +23,7 @@ from kvgate.model.llama import LayerWeights, LlamaModel, per_layer
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
+from kvgate.model.row_roles import RowRoles, apply
 
 
 class Gemma3Model(LlamaModel):
@@ -71,6 +72,7 @@ class Gemma3Model(LlamaModel):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         pause: bool,
+        roles: RowRoles | None = None,
     ) -> Generator[None, None, torch.Tensor]:  # [T, H]
         """As ``LlamaModel.stepwise``; a sliding layer's ``meta`` names only the blocks its
         window reaches."""
@@ -83,7 +85,7 @@ class Gemma3Model(LlamaModel):
                 yield
             window = self.windows[i]
             cos, sin = tables[window is not None]  # sliding layers: the local RoPE
-            qkv = layer.qkv(self._rms(x, layer.input_norm))
+            qkv = apply(roles, layer.qkv, self._rms(x, layer.input_norm))
             q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
             assert layer.q_norm is not None and layer.k_norm is not None
             q = apply_rotary(self._rms(q.reshape(t, hq, d), layer.q_norm), cos, sin)
@@ -91,10 +93,11 @@ class Gemma3Model(LlamaModel):
             v = v.reshape(t, hkv, d)
             self.attention.write_kv(k, v, k_cache, v_cache, metas[i])
             attn = self.attention.attend(q, k, v, k_cache, v_cache, metas[i], window)
-            x = x + self._rms(layer.o(attn.reshape(t, hq * d)), layer.post_norm)
+            x = x + self._rms(apply(roles, layer.o, attn.reshape(t, hq * d)), layer.post_norm)
             assert layer.pre_ffn_norm is not None and layer.post_ffn_norm is not None
-            gate, up = layer.gate_up(self._rms(x, layer.pre_ffn_norm)).chunk(2, dim=-1)
-            mlp = layer.down(F.gelu(gate, approximate="tanh") * up)
+            gate_up = apply(roles, layer.gate_up, self._rms(x, layer.pre_ffn_norm))
+            gate, up = gate_up.chunk(2, dim=-1)
+            mlp = apply(roles, layer.down, F.gelu(gate, approximate="tanh") * up)
             x = x + self._rms(mlp, layer.post_ffn_norm)
         return self._rms(x, self.final_norm)
 
@@ -102,8 +105,8 @@ class Gemma3Model(LlamaModel):
         return self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+        logits = apply(roles, self.lm_head, hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -21,6 +21,7 @@ from kvgate.model.linear import Linear, LinearFactory, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
+from kvgate.model.row_roles import RowRoles, apply
 
 
 def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
@@ -104,6 +105,12 @@ class LlamaModel:
         )
         self.ops = self._layer_ops(kernels.elementwise if kernels else None)
         self.native_decode = self._native_decode(kernels.level) if kernels else None
+        #: Whether prompt tokens take other linears than generated ones (``row_roles``).
+        self.prompt_tiles = any(
+            getattr(lin, "prompt_tiles", False)
+            for layer in self.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         self._setup()
 
     def _setup(self) -> None:
@@ -238,10 +245,11 @@ class LlamaModel:
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
+        roles: RowRoles | None = None,
     ) -> torch.Tensor:  # [T, H]
         """One step over the flat batch, all layers at once; returns final-normed hidden
         states. ``meta``: the step's attention description, or one per layer."""
-        return drive(self.stepwise(input_ids, positions, kv_caches, meta, pause=False))
+        return drive(self.stepwise(input_ids, positions, kv_caches, meta, False, roles))
 
     @torch.inference_mode()  # entered and left around each resumption of the generator
     def stepwise(
@@ -251,11 +259,13 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         pause: bool,
+        roles: RowRoles | None = None,
     ) -> Generator[None, None, torch.Tensor]:
         """The same step as a generator that, with ``pause``, stops after every layer but the
         last: whoever drives it (the engine's step) may run a whole other step there (an
         urgent prefill, for other sequences) before resuming this one. Its value is the
-        final-normed hidden states [T, H]. The model never calls back into the engine."""
+        final-normed hidden states [T, H]. The model never calls back into the engine.
+        ``roles``: the step's prompt rows, where ``prompt_tiles`` (None: no prompt row)."""
         metas = per_layer(meta, len(self.layers))
         meta = metas[0]  # every layer's: Llama-family layers attend to the whole context
         eps = self.config.rms_norm_eps
@@ -263,7 +273,7 @@ class LlamaModel:
         residual = self.embed(input_ids)  # [T, H]; updated in place below
         h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
         native = self.native_decode
-        if native is not None and native.applies(kv_caches, meta):
+        if native is not None and roles is None and native.applies(kv_caches, meta):
             # Decodes only: whole layers per native call, the same kernels in the same order.
             step = native.start(positions, residual, h, meta)
             if not pause:
@@ -277,13 +287,14 @@ class LlamaModel:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and pause:
                 yield
-            qkv = layer.qkv(h)
+            qkv = apply(roles, layer.qkv, h)
             if layer.q_norm is not None and layer.k_norm is not None:
                 self._norm_heads(qkv, layer.q_norm, layer.k_norm)
             q, k, v = ops.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
             attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
-            h = ops.add_norm(layer.o(attn.reshape(-1, self.q_size)), residual, layer.post_norm, eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            o = apply(roles, layer.o, attn.reshape(-1, self.q_size))
+            h = ops.add_norm(o, residual, layer.post_norm, eps)
+            mlp = apply(roles, layer.down, ops.silu_mul(apply(roles, layer.gate_up, h)))
             # The next layer's input norm (or the final norm) shares this residual add.
             next_norm = (
                 self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
@@ -303,6 +314,7 @@ class LlamaModel:
             qkv[:, part] = (weight * x.to(qkv.dtype)).flatten(1)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``); ``roles``:
+        which of the S rows are prompt tokens (as in ``stepwise``)."""
+        return apply(roles, self.lm_head, hidden)

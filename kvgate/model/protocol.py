@@ -14,12 +14,16 @@ import torch
 
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
+from kvgate.model.row_roles import RowRoles
 
 
 class Model(Protocol):
     config: ModelConfig
     dtype: torch.dtype
     device: torch.device
+    #: Whether prompt tokens take other linears than generated ones (``row_roles``): the
+    #: engine then tells each step's prompt rows, and keeps their cached blocks apart.
+    prompt_tiles: bool
     attention: AttentionBackend
 
     def forward(
@@ -28,6 +32,7 @@ class Model(Protocol):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # the step's, or per layer
+        roles: RowRoles | None = None,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
         ...
 
@@ -38,12 +43,16 @@ class Model(Protocol):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         pause: bool,
+        roles: RowRoles | None = None,
     ) -> Generator[None, None, torch.Tensor]:
         """``forward`` as a generator pausing after each layer but the last (with ``pause``):
-        the engine's step drives it and may run an urgent step at a pause."""
+        the engine's step drives it and may run an urgent step at a pause. ``roles``: the
+        step's prompt rows (``kvgate.model.row_roles``), where the model has ``prompt_tiles``."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+    def compute_logits(
+        self, hidden: torch.Tensor, roles: RowRoles | None = None
+    ) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         ...
 
     def build_info(self, isa: str) -> dict[str, str]:

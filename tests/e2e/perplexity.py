@@ -8,11 +8,12 @@ import torch
 
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
+from kvgate.model.row_roles import RowRoles
 
 
 def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
     """exp(mean NLL) of every token after the first of each window, one prefill per window
-    (written to the engine's KV caches from slot 0)."""
+    (written to the engine's KV caches from slot 0), each token as a prompt token."""
     model, (caches, bs) = engine.model, (engine.runner.kv_caches, engine.config.block_size)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
@@ -25,8 +26,11 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
             decode_lens=torch.empty(0, dtype=torch.long),
             prefills=(PrefillSlice(0, n, 0, torch.arange(-(-n // bs))),),
         )
-        hidden = model.forward(tokens, torch.arange(n), caches, meta)
-        logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]).float(), dim=-1)
+        # every token is a prompt token (where that chooses the linears, as served)
+        roles = RowRoles.of([True] * n) if model.prompt_tiles else None
+        hidden = model.forward(tokens, torch.arange(n), caches, meta, roles)
+        head = roles.rows(torch.arange(n - 1)) if roles is not None else None
+        logprobs = torch.log_softmax(model.compute_logits(hidden[:-1], head).float(), dim=-1)
         nll -= logprobs.gather(1, tokens[1:, None]).sum().item()
         count += n - 1
     return math.exp(nll / count)

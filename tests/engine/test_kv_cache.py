@@ -30,3 +30,27 @@ def test_prefix_lookups_are_counted_per_tenant() -> None:
     assert (kv.prefix_queries, kv.prefix_hits) == (50, 32)
     assert kv.tenant_prefix_queries == {"t1": 40, "t2": 10}
     assert kv.tenant_prefix_hits == {"t1": 32, "t2": 0}
+
+
+def _hashes(prompt: list[int], generated: list[int], roles_apart: bool) -> list[bytes]:
+    kv = KVCacheManager(num_blocks=8, block_size=4, roles_apart=roles_apart)
+    request = Request("r", prompt, SamplingParams())
+    for token in generated:
+        request.append_output_token(token)
+    kv.update_block_hashes(request)
+    return list(request.block_hashes)
+
+
+def test_blocks_holding_generated_tokens_are_keyed_apart_where_roles_differ() -> None:
+    """With ``roles_apart`` (a model whose prompt tokens take other linears than generated
+    ones) a block holding any generated token never shares its key with the same tokens as
+    a prompt, so a later prompt never reads K/V computed as generated tokens; blocks of
+    prompt tokens alone keep their keys, and without ``roles_apart`` nothing changes."""
+    tokens = list(range(12))
+    as_prompt = _hashes(tokens, [], roles_apart=True)
+    answered = _hashes(tokens[:6], tokens[6:], roles_apart=True)
+    assert answered[0] == as_prompt[0]  # tokens 0-3: a prompt's in both
+    assert answered[1] != as_prompt[1] and answered[2] != as_prompt[2]  # 4-5 prompt, 6-7 not
+    assert _hashes(tokens[:6], tokens[6:], roles_apart=False) == _hashes(tokens, [], False)
+    # where the prompt ends inside the block is part of the key: 5 prompt tokens differ from 6
+    assert _hashes(tokens[:5], tokens[5:], roles_apart=True)[1] != answered[1]

@@ -442,3 +442,55 @@ def test_the_amx_tiles_equal_the_vnni_panels(qtype: GGMLQuantizationType) -> Non
                 tiles, panels = on[0](x), on[1](x)
                 assert torch.equal(tiles, panels), (m, out32)
                 assert torch.equal(tiles[m // 2], on[0](x[m // 2 : m // 2 + 1])[0])
+
+
+#: The bf16 tiles' error against x (bf16, exact) @ the dequantized weights in float64,
+#: relative to S = sum_k |x_k w_k| per output: each weight rounded once to bf16 (half an ulp,
+#: 2^-9 = 2.0e-3 relative) and float32 sums over K (tdpbf16ps); measured at most 2.4e-3 over
+#: the eight types, K 32..1536, x of scale 0.01..100 with outliers, 3 seeds. Bound: ~1.7x.
+BF16_TILE_TERM_BOUND = 4e-3
+
+
+@pytest.mark.skipif("amx" not in LEVELS, reason="AMX needs a Sapphire Rapids or later Xeon")
+@qtypes
+def test_prompt_tokens_on_bf16_tiles_are_near_exact_and_batch_invariant(
+    qtype: GGMLQuantizationType,
+) -> None:
+    """``QuantLinear.prompt`` on the amx build: the blocks widened to bf16 and multiplied on
+    tdpbf16ps, within bf16's rounding of the weights of the exact product with x (which it
+    takes unquantized), bias added in float32; and a row's output is the same alone, in a
+    block of 16 or 32, or in a padded last tile, for both output dtypes and a fused layer."""
+    amx = _library("amx")
+    if amx.isa != "amx":
+        pytest.skip("Linux did not grant this process the AMX tile state")
+    k = _k_values(qtype)[-1]
+    parts = [random_quant(qtype, 37, k, seed=int(qtype) + 11)]
+    if qtype == Q.Q6_K:  # a fused layer mixing K-quants, as Q4_K_M files have
+        parts = [random_quant(t, n, k, seed=i, name=f"p{i}")
+                 for i, (t, n) in enumerate(((Q.Q4_K, 16), (Q.Q4_K, 8), (Q.Q6_K, 29)))]  # fmt: skip
+    bias = torch.randn(sum(p.shape[0] for p in parts))
+    wd = torch.cat([p.dequantize() for p in parts]).double()
+    x = _inputs(45, k, seed=5).bfloat16()
+    for out32 in (True, False):
+        layer = QuantLinear(parts, bias, amx, io_dtype=torch.bfloat16, float32_out=out32)
+        assert layer.prompt_tiles
+        y = layer.prompt(x)
+        assert y.dtype == (torch.float32 if out32 else torch.bfloat16)
+        ref = x.double() @ wd.T + bias.double()
+        bound = BF16_TILE_TERM_BOUND * (x.double().abs() @ wd.abs().T) + 1e-6
+        if not out32:
+            bound = bound + ref.abs() * 2**-8  # the output's own rounding to bf16
+        err = (y.double() - ref).abs()
+        assert (err <= bound).all(), float((err / bound).max())
+        for m in (1, 16, 17, 32, 33):
+            assert torch.equal(layer.prompt(x[:m]), y[:m]), (m, out32)
+        assert torch.equal(layer.prompt(x[40:41])[0], y[40])
+
+
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "amx"])
+def test_without_tiles_the_prompt_product_is_the_ordinary_one(level: str) -> None:
+    lib = _library(level)
+    layer = QuantLinear([random_quant(Q.Q4_K, 20, 256)], None, lib, io_dtype=torch.bfloat16)
+    assert not layer.prompt_tiles
+    x = _inputs(3, 256, seed=1).bfloat16()
+    assert torch.equal(layer.prompt(x), layer(x))

@@ -1,0 +1,65 @@
+"""RowRoles: a step's prompt rows through a linear's ``prompt`` product, the others through
+its ordinary one, each row back in its place."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgate.model.row_roles import RowRoles, apply
+
+
+class _TwoProducts:
+    """A linear whose prompt product (x 2) differs from its ordinary one (x 3)."""
+
+    prompt_tiles = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("generated", x.shape[0]))
+        return x * 3
+
+    def prompt(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("prompt", x.shape[0]))
+        return x * 2
+
+
+def test_prompt_rows_take_the_prompt_product_and_the_others_the_ordinary_one() -> None:
+    x = torch.arange(12.0).reshape(6, 2)
+    flags = [False, True, True, False, True, False]  # decodes, a chunk, a recomputed token
+    roles = RowRoles.of(flags)
+    assert roles is not None
+    lin = _TwoProducts()
+    y = roles.apply(lin, x)
+    factor = torch.tensor([2.0 if p else 3.0 for p in flags])[:, None]
+    assert torch.equal(y, x * factor)
+    assert sorted(lin.calls) == [("generated", 3), ("prompt", 3)]  # one call per role
+
+
+def test_a_step_of_prompt_rows_alone_makes_one_call_and_none_makes_no_roles() -> None:
+    lin = _TwoProducts()
+    x = torch.ones(4, 2)
+    roles = RowRoles.of([True] * 4)
+    assert roles is not None and torch.equal(roles.apply(lin, x), x * 2)
+    assert lin.calls == [("prompt", 4)]
+    assert RowRoles.of([False, False]) is None and RowRoles.of([]) is None
+    assert torch.equal(apply(None, lin, x), x * 3)
+
+
+def test_a_linear_without_a_prompt_product_runs_every_row_as_it_is() -> None:
+    roles = RowRoles.of([True, False])
+    assert roles is not None
+    x = torch.ones(2, 3)
+    assert torch.equal(roles.apply(lambda t: t + 1, x), x + 1)
+    lin = _TwoProducts()
+    lin.prompt_tiles = False  # has the method, but not here (a library without the tiles)
+    assert torch.equal(roles.apply(lin, x), x * 3)
+
+
+def test_the_roles_of_the_sampled_rows_follow_their_rows() -> None:
+    roles = RowRoles.of([False, True, True, False, True])
+    assert roles is not None
+    sampled = roles.rows(torch.tensor([0, 2, 3]))
+    assert sampled is not None and sampled.mask.tolist() == [False, True, False]
+    assert roles.rows(torch.tensor([0, 3])) is None
