@@ -210,7 +210,8 @@ class LlamaModel:
     def build_info(self, isa: str) -> dict[str, str]:
         """What runs each op of this model: ``isa`` (the level the kernels were built for),
         then per op the kernel's vector path or ``torch``; ``decode``: ``layers-<isa>`` where
-        decode steps run whole layers per native call, else ``per-op``."""
+        decode steps run whole layers per native call, else ``per-op``; ``prompt_linear``:
+        ``bf16-tiles`` where prompt tokens' block-format linears run on bf16 tiles."""
         attention = (
             self.attention.decode_kernel if isinstance(self.attention, TorchAttention) else None
         )
@@ -221,6 +222,8 @@ class LlamaModel:
             "attention": attention.isa if attention is not None else "torch",
             "elementwise": self.ops.isa if isinstance(self.ops, FusedCpuLayerOps) else "torch",
             "decode": f"layers-{native.isa}" if (native := self.native_decode) else "per-op",
+            # prompt tokens' linears, where they differ from the others' (``row_roles``)
+            "prompt_linear": "bf16-tiles" if self.prompt_tiles else self.linear.path,
         }
 
     def num_parameters(self) -> int:
