@@ -7,8 +7,8 @@ import math
 import torch
 
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.row_roles import RowRoles
+from tests.model.steps import one_prefill
 
 
 def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
@@ -19,13 +19,7 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int) -> float:
     for start in range(0, len(ids) - 1, window):
         tokens = torch.tensor(ids[start : start + window])
         n = len(tokens)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            num_decodes=0,
-            decode_blocks=torch.empty(0, dtype=torch.long),
-            decode_lens=torch.empty(0, dtype=torch.long),
-            prefills=(PrefillSlice(0, n, 0, torch.arange(-(-n // bs))),),
-        )
+        meta = one_prefill(n, bs)
         # every token is a prompt token (where that chooses the linears, as served)
         roles = RowRoles.of([True] * n) if model.prompt_tiles else None
         hidden = model.forward(tokens, torch.arange(n), caches, meta, roles)

@@ -14,9 +14,9 @@ from kvgate import SamplingParams
 from kvgate.engine.messages import ScheduledSequence
 from kvgate.engine.runner import _RequestState
 from kvgate.entrypoints.llm import LLM
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.cpu_kernels import load_quant_lib
 from kvgate.model.row_roles import RowRoles
+from tests.model.steps import one_prefill
 from tests.model.test_gguf_quantized import _model
 
 
@@ -55,13 +55,7 @@ def test_each_row_takes_the_product_of_its_role(tmp_path: Path) -> None:
         pytest.skip("prompt tokens take the int8 products here too (bf16 tiles need AMX)")
     ids = torch.tensor([2, 5, 3, 7, 4, 6, 2, 3, 5])
     n, bs = len(ids), llm.engine.config.block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        num_decodes=0,
-        decode_blocks=torch.empty(0, dtype=torch.long),
-        decode_lens=torch.empty(0, dtype=torch.long),
-        prefills=(PrefillSlice(0, n, 0, torch.arange(-(-n // bs))),),
-    )
+    meta = one_prefill(n, bs)
 
     def first_row(roles: RowRoles | None) -> torch.Tensor:
         with torch.no_grad():

@@ -20,7 +20,6 @@ import kvgate.model.gguf_loader as gguf_loader
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.errors import CorruptWeights
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import load_quant_lib
 from kvgate.model.linear import TorchLinear
@@ -28,6 +27,7 @@ from kvgate.model.quant_linear import QuantEmbedding, QuantLinear
 from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor
 from tests.gguf_writer import TINY_TOKENS, write_tiny_header
 from tests.model.quant_blocks import _F16_FIELDS, quantize_activations, random_blocks
+from tests.model.steps import one_prefill
 
 Q = GGMLQuantizationType
 #: Types gguf-py can quantize to (the others are written as random blocks).
@@ -350,13 +350,7 @@ def _prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """float32 logits [len(ids), V] of one prefill of ``ids`` (an idle engine's cache)."""
     eng = llm.engine
     n, bs = len(ids), eng.config.block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        num_decodes=0,
-        decode_blocks=torch.empty(0, dtype=torch.long),
-        decode_lens=torch.empty(0, dtype=torch.long),
-        prefills=(PrefillSlice(0, n, 0, torch.arange(-(-n // bs))),),
-    )
+    meta = one_prefill(n, bs)
     with torch.no_grad():
         hidden = eng.model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta)
         return eng.model.compute_logits(hidden).float()
