@@ -99,43 +99,13 @@ static const tile_fn TILES[9] = {0, tile_1, tile_2, tile_3, tile_4,
 
 #ifdef KVGATE_AMX
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-/* Linux gives a process the AMX tile state only when asked (arch_prctl, once, for all its
- * threads); before that the first tile instruction faults. Asked when the library loads; if
- * refused (an old kernel, or a hypervisor that hides the state), the library reports
- * avx512bf16 (kvgate_isa) and runs vdpbf16ps. */
-#define KVG_ARCH_REQ_XCOMP_PERM 0x1023
-#define KVG_XFEATURE_XTILEDATA 18
-static int amx_ready;
+#include "amx.h" /* the tile state (amx_ready: refused, vdpbf16ps runs and is reported) */
 
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ready = syscall(SYS_arch_prctl, KVG_ARCH_REQ_XCOMP_PERM, KVG_XFEATURE_XTILEDATA) == 0;
-}
-
-/* Palette 1, tiles of 64-byte rows: tiles 0-3 accumulate C (row block r, column half h:
- * tile 2 r + h), 4-5 hold x (row blocks), 6-7 the weights (column halves, 16 rows of pairs).
- * Row block 0 has ra rows, block 1 rb (0: unused). A tile's row of C is one float32 sum
- * whatever the tile's row count, so a block of M < 16 rows configured as M rows gives the
- * same outputs as those rows padded to 16, for a sixteenth of the multiplies. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-static void amx_configure(int ra, int rb) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    const int rows[8] = {ra, ra, rb, rb, ra, rb, 16, 16};
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&c);
-}
+/* Tiles by amx_configure_2x2 (amx.h): C in 0-3, x in 4-5, the weights' column halves in
+ * 6-7 (16 rows of pairs each). A tile's row of C is one float32 sum whatever the tile's row
+ * count, so a block of M < 16 rows configured as M rows gives the same outputs as those rows
+ * padded to 16, for a sixteenth of the multiplies. */
 
 /* out [16 nb, 32] float32 = nb (1 or 2) blocks of rows of x (at xb, row stride K; as many
  * rows as the configuration gives each block) times one panel, over K in steps of 32 inputs
@@ -207,7 +177,7 @@ static int linear_amx(const uint16_t* x, const uint16_t* wp, const uint16_t* bia
     }
     #pragma omp parallel
     {
-        amx_configure(ra, rb); /* per thread: the tile configuration is thread state */
+        amx_configure_2x2(ra, rb); /* per thread: the tile configuration is thread state */
         float out[32 * 32] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
         for (int p = 0; p < panels; ++p) {

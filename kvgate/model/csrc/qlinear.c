@@ -42,12 +42,10 @@
  * at 512; Q6_K 376 -> 415 and 529 -> 591 (bench/qlinears.py). The float32 steps, not the
  * tiles, bound it: without them the tiles reach ~1.6 TFLOP/s.
  */
-#define _GNU_SOURCE /* syscall(), for the AMX tile state */
+#define _GNU_SOURCE /* syscall(), for the AMX tile state (amx.h) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "isa.h"
 #ifdef _OPENMP
@@ -1034,16 +1032,33 @@ static void store_rows(const float* out, int R, int64_t r0, int64_t p, int64_t c
     }
 }
 
+/* A thread's scratch for MAX_P decoded panels: qi [MAX_P][Kp / 4][16] dwords, ws and wo
+ * [MAX_P][panel_groups][16] floats (panel i at i sq, i ss). Nonzero when it cannot grow. */
+typedef struct {
+    uint32_t* qi;
+    float* ws;
+    float* wo;
+} panel_bufs;
+
+static int panel_scratch(int64_t Kp, panel_bufs* b) {
+    const int64_t sq = Kp / 4 * PANEL, ss = panel_groups(Kp) * PANEL;
+    uint8_t* buf = (uint8_t*)thread_scratch((size_t)MAX_P * (sq * 4 + 2 * ss * 4));
+    if (!buf) return -1;
+    b->qi = (uint32_t*)buf;
+    b->ws = (float*)(b->qi + MAX_P * sq);
+    b->wo = b->ws + MAX_P * ss;
+    return 0;
+}
+
 /* Rows [m0, m1) of y for this thread's panels [p_lo, p_hi). */
 static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                           int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N,
                           int64_t K, int f32) {
     const int64_t Kp = a->Kp, sq = Kp / 4 * PANEL, ss = panel_groups(Kp) * PANEL;
-    uint8_t* buf = (uint8_t*)thread_scratch((size_t)MAX_P * (sq * 4 + 2 * ss * 4));
-    if (!buf) return -2;
-    uint32_t* qi = (uint32_t*)buf;
-    float* ws = (float*)(qi + MAX_P * sq);
-    float* wo = ws + MAX_P * ss;
+    panel_bufs b;
+    if (panel_scratch(Kp, &b)) return -2;
+    uint32_t* qi = b.qi;
+    float *ws = b.ws, *wo = b.wo;
     float out[MAX_R * MAX_P * PANEL] __attribute__((aligned(64)));
     for (int64_t p = p_lo; p < p_hi; p += MAX_P) {
         const int P = p_hi - p < MAX_P ? (int)(p_hi - p) : MAX_P;
@@ -1105,23 +1120,9 @@ static int qlinear_panels(const kvg_qweight* w, const qacts* a, const float* bia
  * columns, against 1 tdpbsud per 16 rows), and the tiles alternate between two
  * accumulators so the steps of one group overlap the next group's tdpbsud. */
 #define KVG_QAMX 1
-#define KVG_ARCH_REQ_XCOMP_PERM 0x1023
-#define KVG_XFEATURE_XTILEDATA 18
+#include "amx.h" /* the tile state (amx_ready: refused, the VNNI path runs and is reported) */
 /* From how many rows a call takes the tiles (measured: see qlinear_range). */
 #define AMX_MIN_ROWS 16
-static int amx_ready;
-
-/* Linux gives a process the tile state only when asked (once, for all its threads); refused
- * (an old kernel, a hypervisor hiding it), the library runs and reports the VNNI path. */
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ready = syscall(SYS_arch_prctl, KVG_ARCH_REQ_XCOMP_PERM, KVG_XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
 
 /* Palette 1: tiles 0-1 the group sums (16 rows x 16 int32), 2-3 and 4-5 x and the panel for
  * groups of 32 inputs (even and odd groups), 6-7 the same for groups of 16. */
@@ -1195,11 +1196,10 @@ static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float*
                               int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N,
                               int64_t K, int f32) {
     const int64_t Kp = a->Kp, sq = Kp / 4 * PANEL, ss = panel_groups(Kp) * PANEL;
-    uint8_t* buf = (uint8_t*)thread_scratch((size_t)MAX_P * (sq * 4 + 2 * ss * 4));
-    if (!buf) return -2;
-    uint32_t* qi = (uint32_t*)buf;
-    float* ws = (float*)(qi + MAX_P * sq);
-    float* wo = ws + MAX_P * ss;
+    panel_bufs b;
+    if (panel_scratch(Kp, &b)) return -2;
+    uint32_t* qi = b.qi;
+    float *ws = b.ws, *wo = b.wo;
     /* the rows after the whole blocks of 16, padded: xq [16][Kp], dx, xs32 [16][Kp / 32],
      * xs [16][Kp / 16] */
     const int64_t tail = (m1 - m0) % AMX_ROWS, t0 = m1 - tail;
@@ -1275,22 +1275,10 @@ static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float*
  * (each tile row is its own dot products, K in one order; the last tiles hold exactly the
  * rows left), so a prompt token gets the same output in any batch. Widening costs as much
  * for one row as for 16, so this is for prompt tokens only: generated tokens stay on the
- * int8 paths (see QuantLinear). Xeon with AMX, Qwen 1.5B shapes, Q4_K, 2 threads (a /tmp
- * prototype of this loop): 702 GFLOP/s at 32 rows, 1296 at 128, 1621 at 512, against the
- * int8 tiles' 537, 673 and 677 in the same process; 8 rows 214 against 295. */
-static void bf16_configure(int r0, int r1) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    /* 0-3 C (rows block 0 / 1 x panel 0 / 1), 4-5 A (x, block 0 / 1), 6-7 B (panel 0 / 1) */
-    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
+ * int8 paths (see QuantLinear). Xeon with AMX, Qwen 1.5B shapes, Q4_K, 2 threads: 560
+ * GFLOP/s at 32 rows, 1241 at 128, 1415 at 512, against the int8 tiles' 510, 647 and 695 in
+ * the same process; 8 rows 170 against 259, one row 22 against 91. Tiles as linear.c's:
+ * amx_configure_2x2 (C 0-3, x 4-5, the two panels 6-7). */
 /* A decoded panel (qi, ws, wo) widened: bq [Kp / 2][16] dwords, column c's dword holding the
  * bf16 weights of inputs 2 j and 2 j + 1. */
 static void widen_panel(const uint32_t* qi, const float* ws, const float* wo, int64_t Kp,
@@ -1349,7 +1337,7 @@ static int qlinear_bf16_range(const kvg_qweight* w, const uint16_t* x, const flo
                 const int64_t left = b1 - r0 - AMX_ROWS;
                 const int R1 = left <= 0 ? 0 : (left < AMX_ROWS ? (int)left : AMX_ROWS);
                 if (R0 != cr0 || R1 != cr1) {
-                    bf16_configure(R0, R1);
+                    amx_configure_2x2(R0, R1);
                     cr0 = R0;
                     cr1 = R1;
                 }
