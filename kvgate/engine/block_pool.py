@@ -21,18 +21,25 @@ BlockHash = bytes
 
 
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], salt: bytes | None = None
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    salt: bytes | None = None,
+    generated_from: int | None = None,
 ) -> BlockHash:
     """Key of one full block: a hash chain over the parent block's key and this block's tokens.
 
     The chain makes a key name the whole prefix, not just the block. ``salt`` separates
     caches (a tenant's, say) so equal prefixes from different salts never share blocks.
+    ``generated_from``: where in the block generated tokens begin, for a model that computes
+    them differently from prompt tokens (None: all prompt tokens, or it does not matter).
     SHA-256 rather than Python's ``hash``: a crafted prompt must not collide on purpose.
     """
     h = hashlib.sha256()
-    # Length-prefixed parts, so no (parent, salt) pair can pose as another: a root block
-    # salted with S must never equal an unsalted block whose parent hash is S.
-    for part in (parent or b"", salt or b""):
+    # Length-prefixed parts, so no (parent, salt, role) triple can pose as another: a root
+    # block salted with S must never equal an unsalted block whose parent hash is S, nor a
+    # client's salt pose as a role boundary.
+    role = b"" if generated_from is None else generated_from.to_bytes(4, "little")
+    for part in (parent or b"", salt or b"", role):
         h.update(len(part).to_bytes(4, "little"))
         h.update(part)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))

@@ -102,11 +102,11 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            salt = request.cache_salt
             prompt_in_block = request.num_prompt_tokens - i * bs
+            generated_from = None
             if self.roles_apart and prompt_in_block < bs:  # holds generated tokens
-                salt = (salt or b"") + b"\x00generated-from" + max(prompt_in_block, 0).to_bytes(2)
-            hashes.append(hash_block_tokens(parent, tokens, salt))
+                generated_from = max(prompt_in_block, 0)
+            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, generated_from))
 
     def _key(self, block_hash: BlockHash, group: int) -> BlockHash:
         """The block's cache key in ``group``: groups hold different layers' KV, so the same

@@ -156,8 +156,7 @@ class ModelRunner:
             layers.close()  # a hook that raised leaves no half-run forward behind
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
-        roles = batch.roles.rows(batch.sample_rows) if batch.roles is not None else None
-        logits = self.model.compute_logits(hidden[batch.sample_rows], roles)
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
         sampling = [self._sampling_state(rid) for rid in batch.sample_ids]
         allowed = None
         if masks is not None:

@@ -105,8 +105,8 @@ class Gemma3Model(LlamaModel):
         return self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
-        logits = apply(roles, self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

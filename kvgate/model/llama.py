@@ -317,7 +317,8 @@ class LlamaModel:
             qkv[:, part] = (weight * x.to(qkv.dtype)).flatten(1)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, roles: RowRoles | None = None) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``); ``roles``:
-        which of the S rows are prompt tokens (as in ``stepwise``)."""
-        return apply(roles, self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``). The head
+        takes no roles: it sees one row a sequence, where bf16 tiles would cost four times
+        the int8 product, and every row of it takes the same product in any step."""
+        return self.lm_head(hidden)

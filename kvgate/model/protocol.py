@@ -50,9 +50,7 @@ class Model(Protocol):
         step's prompt rows (``kvgate.model.row_roles``), where the model has ``prompt_tiles``."""
         ...
 
-    def compute_logits(
-        self, hidden: torch.Tensor, roles: RowRoles | None = None
-    ) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         ...
 
     def build_info(self, isa: str) -> dict[str, str]:

@@ -35,10 +35,6 @@ class RowRoles:
             return None
         return cls(mask, mask.nonzero().flatten(), (~mask).nonzero().flatten())
 
-    def rows(self, rows: torch.Tensor) -> RowRoles | None:
-        """The roles of ``rows`` [S] (row indices of this step), in their order."""
-        return RowRoles.of(self.mask[rows].tolist())
-
     def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)``, its prompt rows through ``linear.prompt`` where it has one."""
         prompt_fn: Linear | None = getattr(linear, "prompt", None)

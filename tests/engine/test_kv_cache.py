@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvgate.engine.block_pool import hash_block_tokens
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.request import Request
 from kvgate.sampling_params import SamplingParams
@@ -54,3 +55,13 @@ def test_blocks_holding_generated_tokens_are_keyed_apart_where_roles_differ() ->
     assert _hashes(tokens[:6], tokens[6:], roles_apart=False) == _hashes(tokens, [], False)
     # where the prompt ends inside the block is part of the key: 5 prompt tokens differ from 6
     assert _hashes(tokens[:5], tokens[5:], roles_apart=True)[1] != answered[1]
+
+
+def test_no_client_salt_spells_a_role_boundary() -> None:
+    """The boundary is its own length-prefixed part of the key, so a request's salt cannot
+    be chosen to make its prompt block's key that of another's block of generated tokens."""
+    tokens = list(range(4))
+    generated = hash_block_tokens(None, tokens, b"x", generated_from=2)
+    assert hash_block_tokens(None, tokens, b"x") != generated
+    assert hash_block_tokens(None, tokens, b"x" + (2).to_bytes(4, "little")) != generated
+    assert hash_block_tokens(None, tokens, b"x", generated_from=3) != generated

@@ -26,7 +26,9 @@ def _llm(tmp_path: Path) -> LLM:
 
 
 def test_prompt_rows_are_the_positions_below_each_prompt_length(tmp_path: Path) -> None:
-    runner = _llm(tmp_path).engine.runner
+    engine = _llm(tmp_path).engine
+    assert engine.kv_cache.roles_apart == engine.model.prompt_tiles  # the prefix cache follows
+    runner = engine.runner
     runner.model.prompt_tiles = True  # as on an AMX CPU (the runner reads only the flag)
     for rid, prompt in (("decode", 4), ("last", 6), ("again", 6)):
         runner.states[rid] = _RequestState(tuple(range(2, 2 + prompt)), SamplingParams(), None)
@@ -39,8 +41,6 @@ def test_prompt_rows_are_the_positions_below_each_prompt_length(tmp_path: Path) 
     # decodes first (as the runner orders rows), then the chunk at positions 2..9 of a
     # 6-token prompt: 4 prompt rows, then the 4 generated tokens it recomputes
     assert batch.roles.mask.tolist() == [False, True] + [True] * 4 + [False] * 4
-    sampled = batch.roles.rows(batch.sample_rows)
-    assert sampled is not None and sampled.mask.tolist() == [False, True, False]
     runner.model.prompt_tiles = False
     assert runner.build_batch((ScheduledSequence("last", (7,), 5, ((1,),), True),)).roles is None
 
@@ -60,9 +60,7 @@ def test_each_row_takes_the_product_of_its_role(tmp_path: Path) -> None:
     def first_row(roles: RowRoles | None) -> torch.Tensor:
         with torch.no_grad():
             hidden = model.forward(ids, torch.arange(n), llm.engine.runner.kv_caches, meta, roles)
-            return model.compute_logits(
-                hidden[:1], roles.rows(torch.tensor([0])) if roles else None
-            )
+            return model.compute_logits(hidden[:1])
 
     as_prompt, as_generated = first_row(RowRoles.of([True] * n)), first_row(None)
     assert not torch.equal(as_prompt, as_generated)

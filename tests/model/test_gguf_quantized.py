@@ -25,6 +25,7 @@ from kvgate.model.cpu_kernels import load_quant_lib
 from kvgate.model.linear import TorchLinear
 from kvgate.model.quant_linear import QuantEmbedding, QuantLinear
 from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor
+from kvgate.model.row_roles import RowRoles
 from tests.gguf_writer import TINY_TOKENS, write_tiny_header
 from tests.model.quant_blocks import _F16_FIELDS, quantize_activations, random_blocks
 from tests.model.steps import one_prefill
@@ -347,12 +348,15 @@ def _int8_inputs(self: TorchLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """float32 logits [len(ids), V] of one prefill of ``ids`` (an idle engine's cache)."""
+    """float32 logits [len(ids), V] of one prefill of ``ids`` (an idle engine's cache), its
+    rows prompt tokens as the engine runs them (bf16 tiles where ``prompt_tiles``)."""
     eng = llm.engine
     n, bs = len(ids), eng.config.block_size
     meta = one_prefill(n, bs)
+    roles = RowRoles.of([True] * n) if eng.model.prompt_tiles else None
     with torch.no_grad():
-        hidden = eng.model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta)
+        ids_t, caches = torch.tensor(ids), eng.runner.kv_caches
+        hidden = eng.model.forward(ids_t, torch.arange(n), caches, meta, roles)
         return eng.model.compute_logits(hidden).float()
 
 

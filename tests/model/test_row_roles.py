@@ -55,11 +55,3 @@ def test_a_linear_without_a_prompt_product_runs_every_row_as_it_is() -> None:
     lin = _TwoProducts()
     lin.prompt_tiles = False  # has the method, but not here (a library without the tiles)
     assert torch.equal(roles.apply(lin, x), x * 3)
-
-
-def test_the_roles_of_the_sampled_rows_follow_their_rows() -> None:
-    roles = RowRoles.of([False, True, True, False, True])
-    assert roles is not None
-    sampled = roles.rows(torch.tensor([0, 2, 3]))
-    assert sampled is not None and sampled.mask.tolist() == [False, True, False]
-    assert roles.rows(torch.tensor([0, 3])) is None
