@@ -36,6 +36,19 @@ class InvalidRequest(KVGateError):
     code = "invalid_request_error"
 
 
+#: How a request's error message starts when its grammar reached a dead end mid-decode.
+GRAMMAR_FAILED = "constrained decoding failed: "
+
+
+class ConstraintUnsatisfiable(InvalidRequest):
+    """The constrained output reached a point that no token of the model's vocabulary can
+    continue (a choice or pattern needing bytes it cannot spell, past the start the grammar
+    compiler checks): the request asked for what this model cannot write (400), found
+    mid-decode."""
+
+    code = "constraint_unsatisfiable"
+
+
 class InvalidSamplingParams(InvalidRequest):
     """A sampling parameter is out of range; ``param`` names it."""
 

@@ -29,6 +29,7 @@ from kvgate.engine.messages import (
 )
 from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy, StepPlan
 from kvgate.engine.request import Request, RequestStatus
+from kvgate.errors import GRAMMAR_FAILED
 
 
 @dataclass(frozen=True)
@@ -416,7 +417,7 @@ class Scheduler:
             touched.append(request)
             failed = runner_output.grammar_failed.get(seq.request_id)
             if failed is not None:
-                request.error = f"constrained decoding failed: {failed}"
+                request.error = f"{GRAMMAR_FAILED}{failed}"
                 status: RequestStatus | None = RequestStatus.FINISHED_ERROR
             elif seq.request_id in runner_output.grammar_complete:
                 status = RequestStatus.FINISHED_STOPPED

@@ -15,7 +15,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.request import Request
 from kvgate.engine.stats import RequestMetrics
 from kvgate.engine.streams import OnAbandoned
-from kvgate.errors import QueueTimeout, RequestFailed
+from kvgate.errors import GRAMMAR_FAILED, ConstraintUnsatisfiable, QueueTimeout, RequestFailed
 from kvgate.governance.usage import Counts, UsageLedger
 from kvgate.server.access_log import AccessRecord
 from kvgate.server.governance import Admission
@@ -38,6 +38,12 @@ class ChoiceResult:
 def check_finish(out: RequestOutput) -> None:
     """Finish reasons that are failures of the request, raised as their errors."""
     if out.finish_reason == "error":
+        if out.error and out.error.startswith(GRAMMAR_FAILED):
+            detail = out.error.removeprefix(GRAMMAR_FAILED).splitlines()[0][:300]
+            raise ConstraintUnsatisfiable(
+                "the requested output format cannot be completed with this model's vocabulary "
+                f"(constrained decoding reached a dead end: {detail})"
+            )
         raise RequestFailed(out.error or "generation failed")
     if out.finish_reason == "queue_timeout":
         raise QueueTimeout(

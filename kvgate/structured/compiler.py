@@ -88,6 +88,16 @@ class GrammarCompiler:
                 "model's vocabulary cannot produce",
                 param=grammar.param,
             )
+        # No forced bytes, yet no token can start it (choices of U+40000 and U+80000: F1 or F2
+        # first, and SmolLM2 has neither byte): the first mask is where llguidance finds out.
+        probe = matcher.deep_copy()
+        probe.compute_logit_bias()
+        if probe.is_error():
+            raise InvalidRequest(
+                f"the {grammar.kind.replace('_', ' ')} cannot be started by any token of this "
+                "model's vocabulary: its output cannot be produced",
+                param=grammar.param,
+            )
         with self._lock:
             self.misses += 1
             self._cache[grammar.text] = matcher

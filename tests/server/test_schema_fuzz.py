@@ -207,6 +207,17 @@ def test_chat_schema(http: TestClient, body: dict[str, Any]) -> None:
 @given(body=COMPLETION)
 # found by this test: a choice SmolLM2's vocabulary cannot spell (no 0xF1 byte) was a 500
 @example(body={"prompt": "0", "response_format": {"type": "choice", "choice": ["\U00040000"]}})
+# a dead end past the start (after "0", F1 again): found mid-decode, a 400 (not 500)
+@example(
+    body={"prompt": "3", "response_format": {"type": "choice", "choice": ["1", "0\U00040000"]}}
+)
+# and two such choices (F1 or F2 first, no forced byte): a 500 at the first mask
+@example(
+    body={
+        "prompt": "0",
+        "response_format": {"type": "choice", "choice": ["\U00040000", "\U00080000"]},
+    }
+)
 def test_completions_schema(http: TestClient, body: dict[str, Any]) -> None:
     check(http.post("/v1/completions", json=body))
 

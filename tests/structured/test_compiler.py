@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.errors import InvalidRequest
+from kvgate.engine.outputs import RequestOutput
+from kvgate.errors import GRAMMAR_FAILED, ConstraintUnsatisfiable, InvalidRequest, RequestFailed
+from kvgate.server.errors import status_of
+from kvgate.server.tracker import check_finish
 from kvgate.structured.compiler import GrammarCompiler
 from kvgate.structured.spec import (
     choice_grammar,
@@ -65,3 +68,29 @@ def test_output_the_vocabulary_cannot_spell_is_a_400_before_any_work(
         compiler.check(choice_grammar(["\U00040000"], "response_format.choice"))
     assert info.value.param == "response_format.choice"
     compiler.check(choice_grammar(["😀 ok", "新"], "response_format.choice"))
+
+
+def test_output_no_token_can_start_is_a_400_before_any_work(compiler: GrammarCompiler) -> None:
+    """Two choices that start with 0xF1 or 0xF2 force no byte, but SmolLM2 has a token for
+    neither: llguidance's first mask fails (a 500 in the fuzz test). Refused when checked; a
+    choice beside them that can be spelled keeps the grammar valid."""
+    with pytest.raises(InvalidRequest, match="cannot be started") as info:
+        compiler.check(choice_grammar(["\U00040000", "\U00080000"], "response_format.choice"))
+    assert info.value.param == "response_format.choice"
+    compiler.check(choice_grammar(["a", "\U00040000"], "response_format.choice"))
+
+
+def test_a_dead_end_found_mid_decode_is_the_request_s_400() -> None:
+    """A grammar whose dead end lies past its start (a choice "0" + U+40000 beside "1") is
+    found only when decoding reaches it: the request ends with its error, which the server
+    answers as a 400 ``constraint_unsatisfiable`` (the request asked for what this model
+    cannot write), not a 500."""
+    dead_end = GRAMMAR_FAILED + "Parser Error: token doesn't satisfy the grammar"
+    out = RequestOutput("r", (), "", (), True, "error", None, 1, 1, 0, error=dead_end)
+    with pytest.raises(ConstraintUnsatisfiable) as info:
+        check_finish(out)
+    assert status_of(info.value) == (400, "invalid_request_error")
+    assert info.value.code == "constraint_unsatisfiable"
+    other = RequestOutput("r", (), "", (), True, "error", None, 1, 1, 0, error="a kernel failed")
+    with pytest.raises(RequestFailed):
+        check_finish(other)
