@@ -110,11 +110,28 @@ class QuantLinear:
         bias = self.bias.numel() * 4 if self.bias is not None else 0
         return self._blocks.nbytes() + bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self._out_dtype
+
+    def _output(self, m: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``out`` (a contiguous [m, N] of the output dtype: rows of a larger output) or a
+        new tensor."""
+        if out is None:
+            return torch.empty((m, self.out_features), dtype=self._out_dtype)
+        if out.shape != (m, self.out_features) or out.dtype != self._out_dtype:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} for {m} rows of {self}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        return out
+
+    def __call__(  # [M, K] -> [M, N]
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
-        y = torch.empty((m, self.out_features), dtype=self._out_dtype)
+        y = self._output(m, out)
         if m == 0:
             return y
         if x.dtype != self.io_dtype:
@@ -132,20 +149,22 @@ class QuantLinear:
         """Whether ``prompt`` runs on bf16 tiles here (else it is ``__call__``)."""
         return self._tiles is not None
 
-    def prompt(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M, N]
+    def prompt(  # [M, K] bf16 -> [M, N]
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The product for prompt tokens: on an AMX CPU, the blocks widened to bf16 and
         multiplied on bf16 tiles (x unquantized; 1.3-2.4x the int8 tiles' rate from 32 rows
         on, a quarter of it for one row). A row's output does not depend on its batch here
         either, but differs from ``__call__``'s: the caller keeps each token on one of the
         two for good (prompt positions here, generated ones on ``__call__``)."""
         if self._tiles is None:
-            return self(x)
+            return self(x, out)
         if not x.is_contiguous():
             x = x.contiguous()
         if x.dtype != torch.bfloat16:
             raise ValueError(f"bf16 tiles take bf16 activations, got {x.dtype}")
         m = x.shape[0]
-        y = torch.empty((m, self.out_features), dtype=self._out_dtype)
+        y = self._output(m, out)
         if m:
             n, k = self.out_features, self.in_features
             rc = self._tiles(x.data_ptr(), self._weight, self._bias, y.data_ptr(), m, n, k,

@@ -13,10 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class IntoLinear(Protocol):
+    """A linear with two products that can write its rows into a given output."""
+
+    out_features: int
+
+    @property
+    def out_dtype(self) -> torch.dtype: ...
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def prompt(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -26,14 +41,21 @@ class RowRoles:
     mask: torch.Tensor  # [T] bool: row t is a prompt token
     prompt: torch.Tensor  # [P] int64 row indices, P >= 1
     generated: torch.Tensor  # [T - P] int64 row indices
+    #: T - P when the generated rows all come first (the runner's order: decodes, then prefill
+    #: chunks), so each role is a slice of the step; None when the roles interleave (a
+    #: one-token prompt chunk among the decodes, a preempted request's recomputed tokens).
+    split: int | None = None
 
     @classmethod
     def of(cls, is_prompt: Sequence[bool]) -> RowRoles | None:
         """The roles of rows flagged ``is_prompt``; None when no row is a prompt token."""
-        mask = torch.tensor(list(is_prompt), dtype=torch.bool)
+        flags = list(is_prompt)
+        mask = torch.tensor(flags, dtype=torch.bool)
         if not bool(mask.any()):
             return None
-        return cls(mask, mask.nonzero().flatten(), (~mask).nonzero().flatten())
+        first = flags.index(True)
+        split = first if all(flags[first:]) else None
+        return cls(mask, mask.nonzero().flatten(), (~mask).nonzero().flatten(), split)
 
     def apply(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)``, its prompt rows through ``linear.prompt`` where it has one."""
@@ -42,6 +64,14 @@ class RowRoles:
             return linear(x)
         if not self.generated.numel():
             return prompt_fn(x)
+        if self.split is not None and isinstance(linear, IntoLinear):
+            # Both roles slices of the step: each product writes its rows in place, with no
+            # gather of x or scatter of y (5% of a 32-stream Qwen run's time on the Xeon).
+            y = torch.empty((x.shape[0], linear.out_features), dtype=linear.out_dtype)
+            s, x = self.split, x.contiguous()
+            linear(x[:s], out=y[:s])
+            linear.prompt(x[s:], out=y[s:])
+            return y
         top = prompt_fn(x[self.prompt])
         y = torch.empty((x.shape[0], top.shape[1]), dtype=top.dtype)
         y[self.prompt] = top

@@ -494,3 +494,23 @@ def test_without_tiles_the_prompt_product_is_the_ordinary_one(level: str) -> Non
     assert not layer.prompt_tiles
     x = _inputs(3, 256, seed=1).bfloat16()
     assert torch.equal(layer.prompt(x), layer(x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_both_products_write_into_rows_of_a_given_output(level: str) -> None:
+    """``out=``: rows of a larger output (how RowRoles runs a step's two roles without a
+    gather or scatter) get exactly what a call of their own returns; a wrong one is refused."""
+    lib = _library(level)
+    layer = QuantLinear([random_quant(Q.Q4_K, 40, 512)], None, lib, io_dtype=torch.bfloat16)
+    x = _inputs(20, 512, seed=5).bfloat16()
+    y = torch.full((20, 40), float("nan"), dtype=torch.bfloat16)
+    assert layer(x[:3], out=y[:3]).data_ptr() == y.data_ptr()
+    layer.prompt(x[3:], out=y[3:])
+    assert torch.equal(y[:3], layer(x[:3]))
+    assert torch.equal(y[3:], layer.prompt(x[3:]))
+    with pytest.raises(ValueError, match="out"):
+        layer(x[:3], out=y[:4])
+    with pytest.raises(ValueError, match="out"):
+        layer.prompt(x[:3], out=torch.empty((3, 40), dtype=torch.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        layer(x[:3], out=torch.empty((40, 3), dtype=torch.bfloat16).t())

@@ -1190,6 +1190,166 @@ static void amx_tile_##W(const int8_t* xq, const float* dx, const float* xs, int
 DEFINE_AMX_TILE(32, 2, 3, 4, 5)
 DEFINE_AMX_TILE(16, 6, 7, 6, 7)
 
+/* ---- The same products with the weights as the A operand ----------------------------------
+ * Decoding a panel into the B layout above costs a 16 x 16 dword transpose per 64 inputs of
+ * its 16 columns (decode_run), about 40% of a 32-row call (measured on the Xeon with AMX, Qwen
+ * shapes from memory: Q4_K 442 GFLOP/s at 32 rows, 702 with the decoding skipped). A tile's A
+ * operand is row-major, so a whole Q4_K or Q6_K run decodes straight into it (wr [16][Kp]
+ * bytes, one column per row, inputs in order: no transposes), and x, transposed once per call,
+ * is the B operand ([Kp / 4][16 rows][4] bytes). tdpbusd (A unsigned, B signed) then gives the
+ * same exact group sums transposed (weight columns x rows), and the float32 steps run with
+ * the rows in the lanes: the same two roundings per group per output, multiplications
+ * commuted (sc d = d sc exactly), so the outputs stay bit-identical to ptile's and row1's. */
+
+/* decode_run's bytes and scales, the bytes row-major: wr [16][Kp] (column c's input k at
+ * wr[c Kp + k]). */
+static void decode_run_rows(const uint8_t* base, int64_t rb, int type, int64_t K, int64_t Kp,
+                            prefetcher* pf, uint8_t* wr, float* ws, float* wo) {
+    const int bs = block_bytes(type);
+    const __m512i offs = row_offsets(rb);
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const uint8_t* blk = base + k0 / 256 * bs;
+        run_scales(blk, offs, type, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t k = k0 + 128 * h;
+            for (int upper = 0; upper < 2; ++upper) {
+                prefetch_step(pf);
+                for (int c = 0; c < PANEL; ++c) {
+                    const __m512i r = run_decode(blk + c * rb, type, h, upper);
+                    uint8_t* at = wr + c * Kp;
+                    if (type == T_Q4_K) { /* inputs 32 u .. + 31 and 64 + 32 u .. + 31 */
+                        _mm256_storeu_si256((__m256i*)(at + k + 32 * upper), _mm512_castsi512_si256(r));
+                        _mm256_storeu_si256((__m256i*)(at + k + 64 + 32 * upper),
+                                            _mm512_extracti64x4_epi64(r, 1));
+                    } else { /* Q6_K: inputs 64 u .. + 63 */
+                        _mm512_storeu_si512(at + k + 64 * upper, r);
+                    }
+                }
+            }
+        }
+    }
+    for (int c = 0; c < PANEL; ++c) memset(wr + c * Kp + K, 0, (size_t)(Kp - K));
+}
+
+/* Rows [r0, r0 + R) (R <= 16; zeros past R) of the call's activations as the B operand and
+ * the rows' scales with the rows in the lanes: xv [Kp / 4][16] dwords, dT [Kp / 32][16],
+ * s16T [Kp / 16][16], s32T [Kp / 32][16] floats. */
+typedef struct {
+    uint32_t* xv;
+    float *dT, *s16T, *s32T;
+} rows_b;
+
+static void rows_as_b(const qacts* a, int64_t r0, int R, const rows_b* o) {
+    const int64_t Kp = a->Kp, D = Kp / 4;
+    uint32_t src[16 * 16] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < D; j += 16) {
+        for (int r = 0; r < 16; ++r) {
+            if (r < R)
+                memcpy(src + 16 * r, (const uint32_t*)(a->xq + (r0 + r) * Kp) + j, 64);
+            else
+                memset(src + 16 * r, 0, 64);
+        }
+        transpose16(src, 16, o->xv + j * PANEL, PANEL);
+    }
+    for (int64_t g = 0; g < Kp / 32; ++g)
+        for (int r = 0; r < 16; ++r) {
+            o->dT[g * 16 + r] = r < R ? a->dx[(r0 + r) * (Kp / 32) + g] : 0.0f;
+            o->s32T[g * 16 + r] = r < R ? a->xs32[(r0 + r) * (Kp / 32) + g] : 0.0f;
+        }
+    for (int64_t g = 0; g < Kp / 16; ++g)
+        for (int r = 0; r < 16; ++r)
+            o->s16T[g * 16 + r] = r < R ? a->xs[(r0 + r) * (Kp / 16) + g] : 0.0f;
+}
+
+/* AMX_STEPS with the rows in the lanes: acc[c] lane r is output (r, c). */
+#define AMX_STEPS_T(W, g, sums)                                                               \
+    do {                                                                                      \
+        const __m512 d = _mm512_load_ps(b->dT + (g) * W / 32 * 16);                           \
+        const __m512 s = _mm512_load_ps(xsT + (g) * 16);                                      \
+        const float* sc = ws + (W / 16) * (g) * PANEL;                                        \
+        const float* of = wo + (W / 16) * (g) * PANEL;                                        \
+        _Pragma("GCC unroll 16") for (int c = 0; c < PANEL; ++c) {                            \
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((sums) + 16 * c)),  \
+                                     _mm512_mul_ps(_mm512_set1_ps(sc[c]), d), acc[c]);        \
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(of[c]), s, acc[c]);                       \
+        }                                                                                     \
+    } while (0)
+
+/* One decoded run (wr, ws, wo) x 16 rows (b): out [16][MAX_P * 16] as amx_tile_W gives it.
+ * Tiles as amx_configure: the A shapes (16 x W bytes) now hold the weights, the B shapes
+ * (W / 4 x 64 bytes) the rows. */
+#define DEFINE_AMX_ROWS(W, A0, B0, A1, B1)                                                    \
+static void amx_rows_##W(const uint8_t* wr, const rows_b* b, int64_t Kp, const float* ws,     \
+                         const float* wo, float* out) {                                       \
+    int32_t sums[3][PANEL * 16] __attribute__((aligned(64)));                                 \
+    float t[PANEL * 16] __attribute__((aligned(64)));                                         \
+    const float* xsT = W == 32 ? b->s32T : b->s16T;                                           \
+    __m512 acc[PANEL];                                                                        \
+    for (int c = 0; c < PANEL; ++c) acc[c] = _mm512_setzero_ps();                             \
+    const int64_t G = Kp / W;                                                                 \
+    for (int64_t g = 0; g < G + 2; ++g) {                                                     \
+        if (g < G) {                                                                          \
+            if (g & 1) {                                                                      \
+                _tile_zero(1);                                                                \
+                _tile_loadd(A1, wr + W * g, Kp);                                              \
+                _tile_loadd(B1, b->xv + (W / 4) * g * PANEL, 64);                             \
+                _tile_dpbusd(1, A1, B1);                                                      \
+            } else {                                                                          \
+                _tile_zero(0);                                                                \
+                _tile_loadd(A0, wr + W * g, Kp);                                              \
+                _tile_loadd(B0, b->xv + (W / 4) * g * PANEL, 64);                             \
+                _tile_dpbusd(0, A0, B0);                                                      \
+            }                                                                                 \
+        }                                                                                     \
+        if (g >= 1 && g <= G) {                                                               \
+            if ((g - 1) & 1)                                                                  \
+                _tile_stored(1, sums[(g - 1) % 3], 64);                                       \
+            else                                                                              \
+                _tile_stored(0, sums[(g - 1) % 3], 64);                                       \
+        }                                                                                     \
+        if (g >= 2) AMX_STEPS_T(W, g - 2, sums[(g - 2) % 3]);                                 \
+    }                                                                                         \
+    for (int c = 0; c < PANEL; ++c) _mm512_store_ps(t + 16 * c, acc[c]);                      \
+    transpose16((const uint32_t*)t, 16, (uint32_t*)out, MAX_P * PANEL);                       \
+}
+
+DEFINE_AMX_ROWS(32, 2, 3, 4, 5)
+DEFINE_AMX_ROWS(16, 6, 7, 6, 7)
+
+/* decode_panel into decode_run_rows's layout, for a panel that is one Q4_K or Q6_K run: 1 if
+ * decoded, 0 if the panel is not such a run (then nothing is written). */
+static int decode_panel_rows(const kvg_qweight* w, int64_t n0, int cols, int64_t N, int64_t K,
+                             int64_t Kp, int next, uint8_t* wr, float* ws, float* wo,
+                             int* type) {
+    int64_t rb;
+    const uint8_t* run = panel_run(w, n0, cols, type, &rb);
+    if (!run) return 0;
+    prefetcher pf;
+    prefetch_start(&pf, w, n0 + next * PANEL, N, K, Kp / 64);
+    decode_run_rows(run, rb, *type, K, Kp, &pf, wr, ws, wo);
+    return 1;
+}
+
+/* The rows_b of every block of 16 rows of [m0, m1), in one allocation (NULL if it fails). */
+static rows_b* rows_b_all(const qacts* a, int64_t m0, int64_t m1) {
+    const int64_t Kp = a->Kp, nb = (m1 - m0 + AMX_ROWS - 1) / AMX_ROWS;
+    const size_t each = (size_t)16 * (Kp + 4 * (Kp / 32 * 2 + Kp / 16));
+    const size_t head = (sizeof(rows_b) * (size_t)nb + 63) / 64 * 64;
+    uint8_t* mem = (uint8_t*)aligned_alloc(64, head + each * (size_t)nb);
+    if (!mem) return NULL;
+    rows_b* bs = (rows_b*)mem;
+    uint8_t* at = mem + head;
+    for (int64_t i = 0; i < nb; ++i, at += each) {
+        bs[i].xv = (uint32_t*)at;
+        bs[i].dT = (float*)(at + 16 * Kp);
+        bs[i].s32T = bs[i].dT + 16 * (Kp / 32);
+        bs[i].s16T = bs[i].s32T + 16 * (Kp / 32);
+        const int64_t r0 = m0 + i * AMX_ROWS;
+        rows_as_b(a, r0, m1 - r0 < AMX_ROWS ? (int)(m1 - r0) : AMX_ROWS, &bs[i]);
+    }
+    return bs;
+}
+
 /* qlinear_panels on tiles: rows [m0, m1) in blocks of 16 (the last block's rows copied,
  * zero-padded, once per call), each block through both panels of a decoded pair. */
 static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
@@ -1215,14 +1375,28 @@ static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float*
     }
     float out[AMX_ROWS * MAX_P * PANEL] __attribute__((aligned(64)));
     float o32[AMX_ROWS * MAX_P * PANEL] __attribute__((aligned(64)));
+    rows_b* rb = NULL; /* the rows as B operands, made at the first run decoded row-major */
     for (int64_t p = p_lo; p < p_hi; p += MAX_P) {
         const int P = p_hi - p < MAX_P ? (int)(p_hi - p) : MAX_P;
         unsigned per32[MAX_P];
+        int rows_w[MAX_P]; /* 32 or 16: panel i decoded row-major (its W); 0: a VNNI panel */
         for (int i = 0; i < P; ++i) {
             const int64_t n0 = (p + i) * PANEL;
             const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            int type;
+            rows_w[i] = 0;
+            if (decode_panel_rows(w, n0, cols, N, K, Kp, MAX_P, (uint8_t*)(qi + i * sq),
+                                  ws + i * ss, wo + i * ss, &type)) {
+                rows_w[i] = per32_type(type) ? 32 : 16;
+                if (!rb && !(rb = rows_b_all(a, m0, m1))) {
+                    free(pad);
+                    return -2;
+                }
+                continue;
+            }
             if (decode_panel(w, n0, cols, N, K, Kp, MAX_P, qi + i * sq, ws + i * ss, wo + i * ss)) {
                 free(pad);
+                free(rb);
                 return -1;
             }
             per32[i] = panel_per32(w, n0, cols);
@@ -1244,6 +1418,14 @@ static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float*
             for (int i = 0; i < P; ++i) {
                 const uint32_t* q = qi + i * sq;
                 const float *s = ws + i * ss, *o = wo + i * ss;
+                if (rows_w[i]) {
+                    const rows_b* b = &rb[(r0 - m0) / AMX_ROWS];
+                    if (rows_w[i] == 32)
+                        amx_rows_32((const uint8_t*)q, b, Kp, s, o, out + i * PANEL);
+                    else
+                        amx_rows_16((const uint8_t*)q, b, Kp, s, o, out + i * PANEL);
+                    continue;
+                }
                 if (per32[i] != ALL_LANES) amx_tile_16(xq, dx, xs16, Kp, q, s, o, out + i * PANEL);
                 if (per32[i] == 0) continue;
                 if (per32[i] == ALL_LANES) {
@@ -1262,6 +1444,7 @@ static int qlinear_panels_amx(const kvg_qweight* w, const qacts* a, const float*
         }
     }
     free(pad);
+    free(rb);
     return 0;
 }
 
