@@ -1316,17 +1316,32 @@ static void amx_rows_##W(const uint8_t* wr, const rows_b* b, int64_t Kp, const f
 DEFINE_AMX_ROWS(32, 2, 3, 4, 5)
 DEFINE_AMX_ROWS(16, 6, 7, 6, 7)
 
-/* decode_panel into decode_run_rows's layout, for a panel that is one Q4_K or Q6_K run: 1 if
- * decoded, 0 if the panel is not such a run (then nothing is written). */
+/* decode_panel into decode_run_rows's layout, for a panel that is one run of Q4_K, Q6_K or a
+ * 32-input type decode_pairs has (Q8_0, Q4_0, Q4_1: their registers are already a column's
+ * 64 inputs each, stored as they are): 1 if decoded, 0 if the panel is none of these (then
+ * nothing is written). */
 static int decode_panel_rows(const kvg_qweight* w, int64_t n0, int cols, int64_t N, int64_t K,
                              int64_t Kp, int next, uint8_t* wr, float* ws, float* wo,
                              int* type) {
     int64_t rb;
     const uint8_t* run = panel_run(w, n0, cols, type, &rb);
-    if (!run) return 0;
+    const uint8_t* run32 = run ? NULL : panel_run32(w, n0, cols, type, &rb);
+    if (!run && !(run32 && (*type == T_Q8_0 || *type == T_Q4_0 || *type == T_Q4_1))) return 0;
     prefetcher pf;
     prefetch_start(&pf, w, n0 + next * PANEL, N, K, Kp / 64);
-    decode_run_rows(run, rb, *type, K, Kp, &pf, wr, ws, wo);
+    if (run) {
+        decode_run_rows(run, rb, *type, K, Kp, &pf, wr, ws, wo);
+        return 1;
+    }
+    const __m512i offs = row_offsets(rb);
+    const int bs = block_bytes(*type);
+    for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
+        prefetch_step(&pf);
+        __m512i r[16];
+        decode_pairs_any(run32 + k0 / 32 * bs, rb, *type, K - k0 < 64, r);
+        scales_pair32(run32, offs, *type, k0, K, ws + k0 / 16 * PANEL, wo + k0 / 16 * PANEL);
+        for (int c = 0; c < PANEL; ++c) _mm512_storeu_si512(wr + c * Kp + k0, r[c]);
+    }
     return 1;
 }
 
