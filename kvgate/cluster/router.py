@@ -13,6 +13,7 @@ too); KV use comes from the replica's ``record_routing_stats``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,13 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvgate.cluster.affinity import IMBALANCE, AffinityTable, ReplicaLoad, rank
+
+#: How long a choice counts as load before Ray reports the request routed (seconds). Ray runs
+#: up to two routing tasks per replica at once, each choosing before any of them is routed:
+#: without counting the choices, a burst saw every replica at its old load and went to one
+#: (a CI run sent 7 of 8 concurrent requests to one of two replicas). A choice whose request
+#: is never routed (cancelled while queued) stops counting after this.
+CHOICE_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,22 @@ class PrefixAffinityRouter(RequestRouter):
         self.table = AffinityTable()
         self.ongoing: dict[ReplicaID, int] = {}
         self.request_replica: dict[str, ReplicaID] = {}
+        #: Requests chosen for but not yet routed: request id -> (first choice, monotonic s).
+        self.choosing: dict[str, tuple[ReplicaID, float]] = {}
+        self.clock = time.monotonic
         self.turn = 0
 
-    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+    def _chosen(self, now: float) -> dict[ReplicaID, int]:
+        """The live choices per replica (expired ones dropped)."""
+        self.choosing = {k: v for k, v in self.choosing.items() if now - v[1] < CHOICE_TTL_S}
+        counts: dict[ReplicaID, int] = {}
+        for rid, _ in self.choosing.values():
+            counts[rid] = counts.get(rid, 0) + 1
+        return counts
+
+    def _load(self, replica: RunningReplica, chosen: dict[ReplicaID, int]) -> ReplicaLoad:
         rid = replica.replica_id
-        mine = self.ongoing.get(rid, 0)
+        mine = self.ongoing.get(rid, 0) + chosen.get(rid, 0)
         probed = self.replica_queue_len_cache.get(rid)
         stats = replica.routing_stats or {}
         kv = stats.get("kv_usage", 0.0)
@@ -86,21 +105,29 @@ class PrefixAffinityRouter(RequestRouter):
         ]
         if not candidates:
             return []  # none of that version yet: the router backs off and asks again
-        # Replicas equally loaded keep this order in the ranks: it turns with each request
-        # routed, so that requests finding them equally loaded alternate between them.
+        # Replicas equally loaded keep this order in the ranks: it turns with each choice,
+        # so that requests finding them equally loaded alternate between them.
         candidates.sort(key=lambda r: str(r.replica_id))
         turn = self.turn % len(candidates)
+        self.turn += 1
         candidates = candidates[turn:] + candidates[:turn]
         by_id: dict[Hashable, RunningReplica] = {r.replica_id: r for r in candidates}
         keys = hint.keys if self.policy == "affinity" else ()
-        ranks = rank(keys, [self._load(r) for r in candidates], self.table, self.imbalance)
+        now = self.clock()
+        chosen = self._chosen(now)
+        loads = [self._load(r, chosen) for r in candidates]
+        ranks = rank(keys, loads, self.table, self.imbalance)
+        if ranks and pending_request is not None:
+            # counted until Ray reports it routed (the first rank is taken when it has room)
+            request_id = pending_request.metadata.internal_request_id
+            self.choosing[request_id] = (by_id[ranks[0][0]].replica_id, now)
         return [[by_id[rid] for rid in group] for group in ranks]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
-        self.turn += 1
+        self.choosing.pop(pending_request.metadata.internal_request_id, None)
         self.request_replica[pending_request.metadata.internal_request_id] = replica_id
         keys = hint_of(pending_request).keys
         if keys:
@@ -115,3 +142,4 @@ class PrefixAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.table.forget(replica_id)
         self.ongoing.pop(replica_id, None)
+        self.choosing = {k: v for k, v in self.choosing.items() if v[0] != replica_id}
