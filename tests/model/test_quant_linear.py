@@ -514,3 +514,31 @@ def test_both_products_write_into_rows_of_a_given_output(level: str) -> None:
         layer.prompt(x[:3], out=torch.empty((3, 40), dtype=torch.float32))
     with pytest.raises(ValueError, match="contiguous"):
         layer(x[:3], out=torch.empty((40, 3), dtype=torch.bfloat16).t())
+
+
+@levels
+@pytest.mark.parametrize(
+    ("types", "k"),
+    [((Q.Q4_K, Q.Q8_0, Q.Q6_K), 512), ((Q.Q4_0, Q.Q8_0, Q.Q5_1), 1056)],
+    ids=["q4k-q8_0-q6k", "q4_0-q8_0-q5_1"],
+)
+def test_few_rows_equal_the_many_row_path_across_odd_part_boundaries(
+    level: str, types: tuple[GGMLQuantizationType, ...], k: int
+) -> None:
+    """Parts of 7, 9 and 5 rows: a pair of columns straddles each boundary (the AVX2 block
+    path shifts both columns of a pair that holds a Q8_0 one), and 1..9 rows go through the
+    few-row kernels (columns decoded in registers, 4 at a time) or the block path: each row's
+    outputs are bit-identical to its row in a batch of 13, with a 32-input tail for the
+    32-input types."""
+    lib = _library(level)
+    parts = [random_quant(t, n, k, seed=20 + i, name=f"p{i}") for i, (t, n) in
+             enumerate(zip(types, (7, 9, 5), strict=True))]  # fmt: skip
+    bias = torch.randn(21, generator=torch.Generator().manual_seed(2))
+    lin = QuantLinear(parts, bias, lib, io_dtype=torch.bfloat16, float32_out=True)
+    x = _inputs(13, k, seed=6).bfloat16()
+    batch = lin(x)
+    for size in range(1, 10):
+        for start in (0, 13 - size):
+            assert torch.equal(lin(x[start : start + size]), batch[start : start + size])
+    wd = torch.cat([p.dequantize() for p in parts]).double()
+    _assert_near(lib, batch, quantize_activations(x.float()), wd, bias)

@@ -1970,8 +1970,167 @@ static int columns_shifted(const kvg_qweight* w, int64_t n0, int C) {
     return 0;
 }
 
+/* ---- AVX2, few rows: columns decoded in registers straight into the dot products ---------
+ * For a decode step's few rows the block below spends its time decoding: each column's whole
+ * row goes to a buffer (bytes, then float scales per 16) and is read back once per 4 rows
+ * (Zen 4 forced to AVX2, Qwen 1.5B: one stream 96-109 ms a token against llama-server's 35).
+ * Here FEW_C columns at a time are decoded 64 inputs at a time into registers
+ * (decode64_regs), their scales once per 256 inputs, and up to 2 rows take them; further rows
+ * decode the columns again from L1. An output's float32 steps form one dependency chain
+ * (their order is fixed for bit-identity), so one row needs several columns in flight to hide
+ * the FMA latency: FEW_C x R chains. The integer sums, the float32 steps and their order are
+ * qtile's, and a column is shifted exactly when qtile's pair of columns is (columns_shifted
+ * of n & ~1): bit-identical to the block path, so a row's outputs do not depend on M. */
+#define FEW_ROWS 8
+#define FEW_C 4
+#define FEW_R 2
+#define FEW_AHEAD 8 /* rows: the prefetch distance, ~7 KiB of Q4_K at K = 1536 */
+
+/* The kernel of C columns of type `type` (every one; -1: each its own, types[]) and R rows;
+ * R, C, S and type are constants where it is inlined, so the decoding's switch folds away. */
+static inline __attribute__((always_inline)) void few_body(
+    const int R, const int C, const int S, const int type, const uint8_t* const* rows,
+    const int* types, int64_t K, int64_t Kp, const int8_t* xq, const float* dx, float* wo,
+    float* out) {
+    const __m256i wi = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[FEW_R][FEW_C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    float ws[FEW_C][16], go[16];
+    int64_t pf_ahead[FEW_C], pf_per64[FEW_C];
+    for (int c = 0; c < C; ++c) {
+        const int t = type >= 0 ? type : types[c];
+        const int64_t rb = K / block_inputs(t) * block_bytes(t);
+        pf_ahead[c] = FEW_AHEAD * rb;
+        pf_per64[c] = rb * 64 / K;
+    }
+    for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
+        if (k0 % 256 == 0) {
+            const int64_t g0 = k0 / 16, groups = (K - k0 < 256 ? K - k0 : 256) / 16;
+            for (int c = 0; c < C; ++c) {
+                decode_scales256(rows[c], type >= 0 ? type : types[c], k0, K, ws[c], go);
+                if (wo)
+                    for (int64_t g = 0; g < groups; ++g)
+                        wo[c * (Kp / 16) + g0 + g] = S ? go[g] + 128.0f * ws[c][g] : go[g];
+            }
+        }
+        for (int c = 0; c < C; ++c) {
+            __m256i h[2];
+            const uint8_t* pf = rows[c] + pf_ahead[c] + k0 * pf_per64[c] / 64;
+            _mm_prefetch((const char*)pf, _MM_HINT_T0);
+            _mm_prefetch((const char*)pf + 63, _MM_HINT_T0);
+            decode64_regs(rows[c], type >= 0 ? type : types[c], k0, K - k0 < 64, &h[0], &h[1]);
+            if (S && K - k0 < 64) h[1] = flip; /* past K: the block path's q = 128 */
+            for (int i = 0; i < 2; ++i) {
+                const int64_t k = k0 + 32 * i;
+                const __m256i wsg = S ? _mm256_xor_si256(h[i], flip) : h[i];
+                const __m256i wabs = S ? _mm256_abs_epi8(wsg) : h[i];
+                const __m256 sv = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(
+                        _mm_castpd_ps(_mm_load_sd((const double*)(ws[c] + (k % 256) / 16)))),
+                    wi);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * Kp + k));
+                    const __m256 xs = _mm256_broadcast_ss(dx + r * (Kp / 32) + k / 32);
+                    const __m256i p16 =
+                        _mm256_maddubs_epi16(wabs, S ? _mm256_sign_epi8(xv, wsg) : xv);
+                    const __m256i p = _mm256_madd_epi16(p16, ones);
+                    acc[r][c] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, xs), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[r * FEW_C + c] = hsum8(acc[r][c]);
+}
+
+typedef void (*few_fn)(const uint8_t* const*, const int*, int64_t, int64_t, const int8_t*,
+                       const float*, float*, float*);
+/* TY: the type's name (T_##TY), or ANY for a column-by-column type */
+#define T_ANY (-1)
+#define DEFINE_FEW(TY, R, C, S)                                                                \
+static void few_##TY##_##R##_##C##_##S(const uint8_t* const* rows, const int* types, int64_t K,  \
+                                       int64_t Kp, const int8_t* xq, const float* dx,         \
+                                       float* wo, float* out) {                               \
+    few_body(R, C, S, T_##TY, rows, types, K, Kp, xq, dx, wo, out);                           \
+}
+#define DEFINE_FEW_RC(TY, S)                                                                   \
+    DEFINE_FEW(TY, 1, 1, S) DEFINE_FEW(TY, 1, 2, S) DEFINE_FEW(TY, 1, 3, S)                   \
+    DEFINE_FEW(TY, 1, 4, S) DEFINE_FEW(TY, 2, 1, S) DEFINE_FEW(TY, 2, 2, S)                   \
+    DEFINE_FEW(TY, 2, 3, S) DEFINE_FEW(TY, 2, 4, S)                                           \
+    static const few_fn FEW_##TY##_##S[FEW_R + 1][FEW_C + 1] = {                              \
+        {0},                                                                                  \
+        {0, few_##TY##_1_1_##S, few_##TY##_1_2_##S, few_##TY##_1_3_##S, few_##TY##_1_4_##S},  \
+        {0, few_##TY##_2_1_##S, few_##TY##_2_2_##S, few_##TY##_2_3_##S, few_##TY##_2_4_##S},  \
+    };
+/* the types of the shipped files get their own code; the rest, and a column shifted for its
+ * Q8_0 neighbour, the column-by-column one */
+DEFINE_FEW_RC(Q4_K, 0) DEFINE_FEW_RC(Q6_K, 0) DEFINE_FEW_RC(Q8_0, 1) DEFINE_FEW_RC(Q4_0, 0)
+DEFINE_FEW_RC(Q4_1, 0) DEFINE_FEW_RC(Q5_0, 0) DEFINE_FEW_RC(ANY, 0) DEFINE_FEW_RC(ANY, 1)
+
+/* The kernels for C columns of one type (or -1) and a shift. */
+static const few_fn (*few_table(int type, int shift))[FEW_C + 1] {
+    switch (shift ? (type == T_Q8_0 ? T_Q8_0 : T_ANY) : type) {
+        case T_Q4_K: return FEW_Q4_K_0;
+        case T_Q6_K: return FEW_Q6_K_0;
+        case T_Q8_0: return shift ? FEW_Q8_0_1 : FEW_ANY_0;
+        case T_Q4_0: return FEW_Q4_0_0;
+        case T_Q4_1: return FEW_Q4_1_0;
+        case T_Q5_0: return FEW_Q5_0_0;
+        default: return shift ? FEW_ANY_1 : FEW_ANY_0;
+    }
+}
+
+static int qlinear_few_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                             int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
+    const int64_t Kp = a->Kp;
+    /* whole pairs of columns per thread (a column's shift is its pair's) */
+    const int64_t pairs = (N + 1) / 2;
+    const int64_t n_lo = pairs * tid / nt * 2;
+    int64_t n_hi = pairs * (tid + 1) / nt * 2;
+    n_hi = n_hi < N ? n_hi : N;
+    float* wo = (float*)thread_scratch((size_t)FEW_C * (Kp / 16) * sizeof(float));
+    if (!wo) return n_lo < n_hi ? -2 : 0;
+    float out[FEW_R * FEW_C];
+    const uint8_t* rows[FEW_C];
+    int types[FEW_C];
+    for (int64_t n0 = n_lo; n0 < n_hi;) {
+        /* up to FEW_C columns of one shift and, for the specialized code, one type */
+        const int shift = columns_shifted(w, n0, N - n0 < 2 ? (int)(N - n0) : 2);
+        int C = 0, same = 1;
+        for (; C < FEW_C && n0 + C < n_hi; ++C) {
+            if (C % 2 == 0 && C &&
+                columns_shifted(w, n0 + C, N - n0 - C < 2 ? (int)(N - n0 - C) : 2) != shift)
+                break;
+            rows[C] = weight_row(w, n0 + C, &types[C]);
+            if (!rows[C]) return -1;
+            same &= types[C] == types[0];
+        }
+        const few_fn(*table)[FEW_C + 1] = few_table(same ? types[0] : T_ANY, shift);
+        for (int c = 0; c < C; ++c)
+            for (int64_t g = K / 16; g < Kp / 16; ++g) wo[c * (Kp / 16) + g] = 0.0f;
+        for (int64_t r0 = 0; r0 < M; r0 += FEW_R) {
+            const int R = M - r0 < FEW_R ? (int)(M - r0) : FEW_R;
+            table[R][C](rows, types, K, Kp, a->xq + r0 * Kp, a->dx + r0 * (Kp / 32),
+                        r0 ? NULL : wo, out);
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < C; ++c) {
+                    const float v = out[r * FEW_C + c] +
+                                    offset_dot(wo + c * (Kp / 16), a->xs + (r0 + r) * (Kp / 16),
+                                               Kp / 16);
+                    store_one(y, (r0 + r) * N + n0 + c, v + (bias ? bias[n0 + c] : 0.0f), f32);
+                }
+        }
+        n0 += C;
+    }
+    return 0;
+}
+
 static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
+    if (M <= FEW_ROWS) return qlinear_few_range(w, a, bias, y, M, N, K, f32, tid, nt);
     const int64_t Kp = a->Kp;
     /* Contiguous ranges of whole column blocks per thread; rows in blocks of up to 8 MiB of
      * int8 x, the columns decoded again per block (as the VNNI path's panels; Zen 4 forced to
