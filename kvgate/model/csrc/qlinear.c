@@ -30,8 +30,9 @@
  * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
  * panels of 16 columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
- * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: blocks of
- * 2 decoded columns and row dot products (further below). Measured on Zen 4, one thread, a 4096 x 1536
+ * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: up to 8
+ * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
+ * (further below). Measured on Zen 4, one thread, a 4096 x 1536
  * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
  * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
  * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
