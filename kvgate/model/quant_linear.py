@@ -2,10 +2,11 @@
 
 ``QuantLinear`` calls ``kvg_qlinear`` (``csrc/qlinear.c``): W stays in the GGUF file's blocks
 (``QuantTensor`` views of its memory map, read in place), x is quantized to int8 per block of
-32 inputs, and the products are integer dot products (AVX512-VNNI, or AVX2). Several tensors
-can make one layer (q, k and v; gate and up), each in its own format, without a copy.
-``QuantEmbedding`` dequantizes just the rows a step looks up, to exactly the float32 values
-of the dequantized path.
+32 inputs (for the K-quants on AVX2, a step per 256 times an integer per 32:
+``activation_block``), and the products are integer dot products (AVX512-VNNI, or AVX2).
+Several tensors can make one layer (q, k and v; gate and up), each in its own format, without
+a copy. ``QuantEmbedding`` dequantizes just the rows a step looks up, to exactly the float32
+values of the dequantized path.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kvgate.model.cpu_kernels import KernelCall, KernelLibrary, fn_address
 from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor
 
-__all__ = ["QuantEmbedding", "QuantLinear", "native_qtype"]
+__all__ = ["QuantEmbedding", "QuantLinear", "activation_block", "native_qtype"]
 
 
 class _Seg(ctypes.Structure):
@@ -39,6 +41,13 @@ def native_qtype(library: KernelLibrary | None, t: QuantTensor) -> bool:
         and t.qtype in NATIVE_QTYPES
         and bool(library.lib.kvg_qtype_supported(int(t.qtype)))
     )
+
+
+def activation_block(library: KernelLibrary, qtype: GGMLQuantizationType) -> int:
+    """How ``library`` quantizes x for its products with ``qtype`` columns: 32, int8 with a
+    float step per 32 inputs; 256 (the K-quants on AVX2), a float step per 256 inputs times
+    an integer in [1, 32] per 32 (``csrc/qlinear.c``, quantize_x256)."""
+    return int(library.lib.kvg_qact_block(int(qtype)))
 
 
 def _bf16_tiles(library: KernelLibrary) -> bool:
@@ -90,6 +99,10 @@ class QuantLinear:
         self.io_dtype = io_dtype
         self.float32_out = float32_out
         self.bias = bias.float().contiguous() if bias is not None else None
+        #: (rows, ``activation_block``) of each part, in order
+        self.activation_parts = tuple(
+            (p.shape[0], activation_block(library, p.qtype)) for p in parts
+        )
         self._fn = library.lib.kvg_qlinear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5

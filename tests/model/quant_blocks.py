@@ -48,14 +48,42 @@ def random_quant(
     return QuantTensor(qtype, (rows, k), torch.from_numpy(raw), name)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 -> the float64 values the kernels multiply: per block of 32, int8
-    round-to-nearest-even of x / d, d = max |x| / 127 (float32 arithmetic), times d."""
+#: The K-quants' activations on AVX2 (``quant_linear.activation_block`` 256, ``csrc/qlinear.c``
+#: quantize_x256): a float step D per 256 inputs times an integer multiplier in [1, KQ_S] per 32.
+KQ_S = 32
+
+
+def activation_steps(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q, step) as the kernels quantize it: q the int8 values, step
+    [M, K] each input's step (float64), so x ~ q step. ``block`` 32: step = max |x| / 127 per
+    32 inputs. ``block`` 256 (the K-quants on AVX2): step = D s_b, D = max |x| / (127 KQ_S)
+    over the 256 and s_b = ceil(KQ_S amax_b / amax) per 32 (1 for zeros). q is the round to
+    nearest even of x / step, in the kernels' float32 arithmetic."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    # a true division (``127.0 / t`` is t.reciprocal() * 127 in torch: another rounding)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    # a true division throughout (``127.0 / t`` is t.reciprocal() * 127 in torch: another rounding)
+    if block == 32:
+        blocks = x.float().reshape(m, k // 32, 32)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        step = (amax / 127.0).double().expand(m, k // 32, 32)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    else:
+        assert block == 256, block
+        blocks = x.float().reshape(m, k // 256, 8, 32)
+        am = blocks.abs().amax(-1, keepdim=True)  # [M, K / 256, 8, 1]
+        amax = am.amax(-2, keepdim=True)  # [M, K / 256, 1, 1]
+        d = amax / (127.0 * KQ_S)
+        pos = amax > 0
+        s = torch.where(pos, torch.ceil((am * KQ_S).div(amax)), torch.ones_like(am)).clamp(1, KQ_S)
+        inv = torch.where(
+            pos, torch.full_like(am, 127.0 * KQ_S).div(amax * s), torch.zeros_like(am)
+        )
+        step = (d.double() * s.double()).expand(m, k // 256, 8, 32)
     q = torch.round(blocks * inv).clamp(-128, 127)
-    return (q.double() * d.double()).reshape(m, k)
+    return q.reshape(m, k), step.reshape(m, k)
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] float32 -> the float64 values the kernels multiply (``activation_steps``):
+    q step."""
+    q, step = activation_steps(x, block)
+    return q.double() * step

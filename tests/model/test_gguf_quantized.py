@@ -341,10 +341,30 @@ def _kept_in_float32(path: Path) -> LLM:
 
 
 def _int8_inputs(self: TorchLinear, x: torch.Tensor) -> torch.Tensor:
-    """``TorchLinear.__call__`` with x quantized per 32 inputs exactly as the block kernels
-    quantize it (``quantize_activations``; the values rounded back to float32)."""
-    xq = quantize_activations(x.reshape(-1, x.shape[-1]).float()).to(x.dtype).reshape(x.shape)
-    return F.linear(xq, self.weight, self.bias)
+    """``TorchLinear.__call__`` with x quantized exactly as the block kernels quantize it for
+    each part of the layer (``quantize_activations``, per 32 inputs or, for the K-quants on
+    AVX2, per 256 and 32: the native layer's ``activation_parts``, copied to the dense one as
+    ``act_parts``; per 32 for a layer without them; the values rounded back to float32)."""
+    parts = getattr(self, "act_parts", ((self.weight.shape[0], 32),))
+    flat = x.reshape(-1, x.shape[-1]).float()
+    outs, at = [], 0
+    for rows, block in parts:
+        xq = quantize_activations(flat, block).to(x.dtype).reshape(x.shape)
+        bias = self.bias[at : at + rows] if self.bias is not None else None
+        outs.append(F.linear(xq, self.weight[at : at + rows], bias))
+        at += rows
+    return torch.cat(outs, dim=-1)
+
+
+def _quantized_sizes(x: torch.Tensor, w: torch.Tensor,
+                     parts: tuple[tuple[int, int], ...]) -> torch.Tensor:  # fmt: skip
+    """S = sum_k |x^_k w_k| [M, N] with x quantized as each part's kernel quantizes it."""
+    sizes, at = [], 0
+    for rows, block in parts:
+        xq = quantize_activations(x, block)
+        sizes.append(xq.abs() @ w[at : at + rows].double().abs().T)
+        at += rows
+    return torch.cat(sizes, dim=1)
 
 
 def _prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -417,10 +437,11 @@ def test_a_block_quantized_model_runs_natively_as_its_dequantized_self(
             assert isinstance(layer, TorchLinear) and torch.equal(layer.weight, dense.weight)
             continue
         assert isinstance(layer, QuantLinear), where
+        dense.act_parts = layer.activation_parts  # type: ignore[attr-defined]
         x = torch.randn(5, dense.weight.shape[1], generator=g)
-        xq = quantize_activations(x)
+        size = _quantized_sizes(x, dense.weight, layer.activation_parts)
         err = (layer(x).double() - dense(x).double()).abs()
-        assert (err <= LAYER_BOUND * (xq.abs() @ dense.weight.double().abs().T) + 1e-6).all(), where
+        assert (err <= LAYER_BOUND * size + 1e-6).all(), where
 
     for ids in _prompts(5):
         got, want = _prompt_logits(native, ids), _prompt_logits(reference, ids)

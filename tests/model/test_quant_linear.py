@@ -20,10 +20,10 @@ from kvgate.model.linear import (
     _log_fallback,
     quant_path,
 )
-from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, native_qtype
+from kvgate.model.quant_linear import QuantEmbedding, QuantLinear, activation_block, native_qtype
 from kvgate.model.quant_tensor import QuantTensor, quantize_q8_0
 from tests.model.isa import vector_levels
-from tests.model.quant_blocks import QTYPES, quantize_activations, random_quant
+from tests.model.quant_blocks import QTYPES, activation_steps, quantize_activations, random_quant
 
 CPU = torch.device("cpu")
 Q = GGMLQuantizationType
@@ -66,17 +66,31 @@ def _bound(lib: KernelLibrary) -> float:
     return VNNI_BOUND if _vnni(lib) else AVX2_BOUND
 
 
-def _slack(lib: KernelLibrary, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[M, N]: the most each float32 output may be off the exact product of the quantized
-    x (``xq``, float64) and the dequantized weights ``w`` (float64 [N, K])."""
-    return (VNNI_TERM_BOUND if _vnni(lib) else AVX2_TERM_BOUND) * (xq.abs() @ w.abs().T)
+def _quantized(lib: KernelLibrary, x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """x as ``lib`` multiplies it with ``qtype`` columns: int8 per block of 32 inputs (of 256
+    for the K-quants on AVX2), float64."""
+    return quantize_activations(x.float(), activation_block(lib, qtype))
 
 
-def _assert_near(lib: KernelLibrary, y: torch.Tensor, xq: torch.Tensor, w: torch.Tensor,
+def _exact(lib: KernelLibrary, x: torch.Tensor,
+           parts: list[QuantTensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The exact product [M, N] of x quantized as the kernel quantizes it for each part with
+    the parts' dequantized weights (float64), and the most each float32 output may be off it:
+    the term bound times S = sum_k |x^_k w_k|."""
+    term = VNNI_TERM_BOUND if _vnni(lib) else AVX2_TERM_BOUND
+    refs, slacks = [], []
+    for p in parts:
+        xq, wd = _quantized(lib, x, p.qtype), p.dequantize().double()
+        refs.append(xq @ wd.T)
+        slacks.append(term * (xq.abs() @ wd.abs().T))
+    return torch.cat(refs, dim=1), torch.cat(slacks, dim=1)
+
+
+def _assert_near(lib: KernelLibrary, y: torch.Tensor, x: torch.Tensor, parts: list[QuantTensor],
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
-    ref = xq @ w.T + (bias.double() if bias is not None else 0.0)
+    ref, bound = _exact(lib, x, parts)
+    ref = ref + (bias.double() if bias is not None else 0.0)
     err = (y.double() - ref).abs()
-    bound = _slack(lib, xq, w)
     assert (err <= bound).all(), float((err / bound).max())
 
 
@@ -102,26 +116,24 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def test_equals_the_exactly_quantized_product(
     level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
 ) -> None:
-    """float32 sums within the rounding bound of (x quantized per 32 as the kernel does) @
-    (the dequantized weights)^T in float64; io-dtype outputs are those sums rounded once."""
+    """float32 sums within the rounding bound of (x quantized per 32 as the kernel does, per
+    256 for the K-quants on AVX2) @ (the dequantized weights)^T in float64; io-dtype outputs
+    are those sums rounded once."""
     lib = _library(level)
     for k in _k_values(qtype):
         w = random_quant(qtype, 37, k, seed=k + int(qtype))
-        wd = w.dequantize().double()
         x = _inputs(7, k, seed=k).to(io_dtype)
-        xq = quantize_activations(x.float())
-        ref = xq @ wd.T
+        ref, slack = _exact(lib, x, [w])
         sums = QuantLinear([w], None, lib, io_dtype=io_dtype, float32_out=True)(x)
         assert sums.dtype == torch.float32 and sums.shape == (7, 37)
         assert _rel_err(sums, ref) < _bound(lib), (k, _rel_err(sums, ref))
-        _assert_near(lib, sums, xq, wd)
+        _assert_near(lib, sums, x, [w])
 
         out = QuantLinear([w], None, lib, io_dtype=io_dtype)(x)
         assert out.dtype == io_dtype
         # the same float32 sum, rounded once to nearest even (as torch rounds)
         assert torch.equal(out, sums.to(io_dtype))
         if io_dtype == torch.bfloat16:  # within one bf16 rounding of the reference
-            slack = _slack(lib, xq, wd)
             assert ((out.double() - ref).abs() <= ref.abs() * 2.0**-8 + slack).all()
 
 
@@ -132,7 +144,8 @@ def test_int8_activations_stay_within_their_rounding(
     level: str, qtype: GGMLQuantizationType, io_dtype: torch.dtype
 ) -> None:
     """Against plain x @ W^T (x not quantized): each input moves by at most half its block's
-    step dx = max |x| / 127 when rounded to int8, so |y - x W^T| <= sum_k |w_k| dx_k / 2 for
+    step when rounded to int8 (dx = max |x| / 127 per 32 inputs, or two levels per 256 and 32:
+    ``activation_steps``), so |y - x W^T| <= sum_k |w_k| dx_k / 2 for
     each output (plus the float32 rounding above): a bound per output, not a guess. It comes
     to a few percent of max |y| (measured up to 2.7% with outliers in x)."""
     lib = _library(level)
@@ -143,9 +156,9 @@ def test_int8_activations_stay_within_their_rounding(
     xf = x.double()
     y = QuantLinear([w], None, lib, io_dtype=io_dtype, float32_out=True)(x).double()
     plain = xf @ wd.T
-    step = (x.float().abs().reshape(9, k // 32, 32).amax(-1) / 127).double()  # dx per block
-    half_steps = step.repeat_interleave(32, dim=1) / 2 * (1 + 1e-3)  # [M, K]
-    bound = half_steps @ wd.abs().T + _slack(lib, quantize_activations(x.float()), wd)
+    block = activation_block(lib, qtype)
+    half_steps = activation_steps(x.float(), block)[1] / 2 * (1 + 1e-3)  # [M, K]
+    bound = half_steps @ wd.abs().T + _exact(lib, x, [w])[1]
     assert ((y - plain).abs() <= bound).all()
     assert _rel_err(y, plain) < 0.05
 
@@ -184,17 +197,16 @@ def test_column_counts_off_the_tile_and_input_tails(
     lib = _library(level)
     k = _k_values(qtype)[-1]
     w = random_quant(qtype, 37, k, seed=int(qtype) + 1)
-    wd = w.dequantize().double()
     x = _inputs(5, k, seed=2).bfloat16()
     full = QuantLinear([w], None, lib, io_dtype=torch.bfloat16, float32_out=True)(x)
     for n in (1, 3, 5, 16, 17, 37):
-        lin = QuantLinear([w.take_rows(torch.arange(n))], None, lib, io_dtype=torch.bfloat16,
-                          float32_out=True)  # fmt: skip
+        head = w.take_rows(torch.arange(n))
+        lin = QuantLinear([head], None, lib, io_dtype=torch.bfloat16, float32_out=True)
         for m in range(1, 6):
             y = lin(x[:m])
             assert y.shape == (m, n)
             assert torch.equal(y, full[:m, :n])
-            _assert_near(lib, y, quantize_activations(x[:m].float()), wd[:n])
+            _assert_near(lib, y, x[:m], [head])
 
 
 @levels
@@ -233,8 +245,7 @@ def test_a_layer_of_parts_in_different_types_equals_their_concatenation(
             plain = [QuantLinear([p], None, lib, io_dtype=torch.bfloat16, float32_out=True)(x)
                      for p in parts]  # fmt: skip
             assert torch.equal(got, torch.cat(plain, dim=1) + bias)
-            wd = torch.cat([p.dequantize() for p in parts]).double()
-            _assert_near(lib, got, quantize_activations(x.float()), wd, bias)
+            _assert_near(lib, got, x, parts, bias)
 
 
 @levels
@@ -540,5 +551,4 @@ def test_few_rows_equal_the_many_row_path_across_odd_part_boundaries(
     for size in range(1, 10):
         for start in (0, 13 - size):
             assert torch.equal(lin(x[start : start + size]), batch[start : start + size])
-    wd = torch.cat([p.dequantize() for p in parts]).double()
-    _assert_near(lib, batch, quantize_activations(x.float()), wd, bias)
+    _assert_near(lib, batch, x, parts, bias)

@@ -44,6 +44,7 @@
  * tiles, bound it: without them the tiles reach ~1.6 TFLOP/s.
  */
 #define _GNU_SOURCE /* syscall(), for the AMX tile state (amx.h) */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -501,13 +502,19 @@ static inline void store_one(void* y, int64_t at, float v, int f32) {
 }
 
 /* The activations of a call, quantized once: xq [M][Kp], dx [M][Kp / 32], xs [M][Kp / 16],
- * xs32 [M][Kp / 32]. */
+ * xs32 [M][Kp / 32]; for the AVX2 K-quant columns also in two levels per 256 and 32
+ * (quantize_x256: xk [M][K], dk [M][K / 256], sk [M][K / 256][32], bk [M][K / 16]; NULL where
+ * no column takes them). */
 typedef struct {
     const int8_t* xq;
     const float* dx;
     const float* xs;
     const float* xs32;
     int64_t Kp;
+    const int8_t* xk;
+    const float* dk;
+    const int16_t* sk;
+    const int16_t* bk;
 } qacts;
 
 #if defined(KVGATE_AVX512BF16) && defined(__AVX512VNNI__)
@@ -1971,6 +1978,249 @@ static int columns_shifted(const kvg_qweight* w, int64_t n0, int C) {
     return 0;
 }
 
+/* ---- AVX2, K-quant columns: integer sums per 256 inputs ---------------------------------
+ * Per 32 inputs the columns above take three float32 steps (to float, times the column's and
+ * the row's scale, add), and a decode step's few rows spend more time there than on the
+ * weights: on Zen 2, ~5 of ~12 instructions per 32 inputs of one row. For Q4_K, Q5_K and
+ * Q6_K, whose sub-block scales are integers under one float scale per 256 inputs, x is
+ * quantized per 256 instead (as llama.cpp's Q8_K activations: xk, one dk per 256, and the
+ * int16 sums of each group of 16, bk), so the sub-block scales go into the integer sums
+ * (vpmaddwd with the scales instead of ones): per 32 inputs vpmaddubsw, vpmaddwd, vpaddd, and
+ * per 256 inputs, with iv the 8 int32 lanes of sum_j sc_j dot_j(q, xk):
+ *   Q4_K, Q5_K: acc += float(iv) (d dk), then acc += float(mn . bk) (-(dmin dk))
+ *   Q6_K:       acc += float(iv - 32 (sc . bk)) (d dk)
+ * (mn . bk, sc . bk: vpmaddwd of the group sums with the mins or scales per 16). The lanes
+ * never overflow: |sc| <= 127, q <= 63, |xk| <= 127, so a lane holds at most
+ * 8 x 2 x 127 x 2 x 63 x 127 < 2^26. Every path takes a K-quant column this way (the few rows
+ * below and the blocks of decoded columns), one float32 step order for every M: the outputs
+ * stay batch-invariant. The coarser step of x (one per 256) is llama.cpp's; its quality on
+ * the Qwen file is in tests/e2e/test_qwen_native.py. */
+#define KVG_Q8K 1
+
+static inline int is_kq(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* Activations per 256 for the K-quant columns, in two levels: one float step D per 256
+ * inputs and an integer multiplier s_b in [1, KQ_S] per 32, so that input i of block b is
+ * xk_i D s_b (xk_i int8). The multipliers go into the integer sums with the weights' sub-block
+ * scales (one vpmullw per row, column and 256 inputs), so the float32 steps stay one per 256;
+ * a plain step per 256 (llama.cpp's Q8_K) lets one outlier coarsen 256 inputs: on the Qwen
+ * file it cost +4.0% perplexity on the Chinese text (AVX2, Zen 2) against +0.5% for steps per
+ * 32, as every other path takes. D = max |x| / (127 KQ_S) over the 256; s_b = ceil(KQ_S
+ * amax_b / amax) (1 for an all-zero block), so a block's step is at most its own
+ * amax_b / 127 x (1 + 1 / s_b), or D where amax_b < amax / KQ_S. KQ_S = 32 keeps every lane
+ * inside int32: a chunk's lane is at most 2 x 16002 x |sc s| <= 2 x 16002 x 128 x 32, eight
+ * chunks 1.05e9, Q6_K's offsets 32 x 2 x 2032 x 4096 = 0.53e9 more.
+ * Row m (K values, K % 256 == 0) -> xk [K] int8 (round to nearest even of x / (D s_b)),
+ * dk [K / 256] = D (NaN where the block holds one), sk [K / 256][32] int16: each block's
+ * s_0..s_7 twice (the two 128-bit lanes), then s_0 s_0 s_1 s_1 .. s_7 s_7 (per group of 16),
+ * bk [K / 16] the int16 sums of xk per group of 16. */
+#define KQ_S 32
+static void quantize_x256(const void* x, int io_bf16, int64_t m, int64_t K, int8_t* xk,
+                          float* dk, int16_t* sk, int16_t* bk) {
+    const uint16_t* xb = (const uint16_t*)x + m * K;
+    const float* xf = (const float*)x + m * K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 256; ++b) {
+        const int64_t k0 = 256 * b;
+        float am[8];
+        __m256 unord = _mm256_setzero_ps();
+        for (int i = 0; i < 8; ++i) {
+            __m256 mx = _mm256_setzero_ps();
+            for (int j = 0; j < 4; ++j) {
+                const int64_t k = k0 + 32 * i + 8 * j;
+                const __m256 v = io_bf16 ? bf16x8_load(xb + k) : _mm256_loadu_ps(xf + k);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            am[i] = _mm_cvtss_f32(h);
+        }
+        float amax = 0.0f;
+        for (int i = 0; i < 8; ++i) amax = am[i] > amax ? am[i] : amax;
+        dk[b] = _mm256_movemask_ps(unord) ? __builtin_nanf("") : amax / (127.0f * KQ_S);
+        int16_t* sb = sk + 32 * b;
+        for (int i = 0; i < 8; ++i) {
+            const int64_t k = k0 + 32 * i;
+            const float t = amax > 0 ? ceilf(am[i] * KQ_S / amax) : 1.0f;
+            const int sv = t >= 1.0f && t <= KQ_S ? (int)t : t > KQ_S ? KQ_S : 1; /* NaN: 1 */
+            const __m256 inv =
+                _mm256_set1_ps(amax > 0 ? (127.0f * KQ_S) / (amax * (float)sv) : 0.0f);
+            __m256i qi[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256 v = io_bf16 ? bf16x8_load(xb + k + 8 * j) : _mm256_loadu_ps(xf + k + 8 * j);
+                qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+            }
+            const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                  _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i*)(xk + k), _mm256_permutevar8x32_epi32(
+                                                        p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            for (int g = 0; g < 2; ++g) {
+                int sum = 0;
+                for (int l = 0; l < 16; ++l) sum += xk[k + 16 * g + l];
+                bk[k / 16 + g] = (int16_t)sum;
+            }
+            sb[i] = sb[8 + i] = sb[16 + 2 * i] = sb[17 + 2 * i] = (int16_t)sv;
+        }
+    }
+}
+
+/* A K-quant column's scales for inputs [k0, k0 + 256): its integer multipliers as int16 in
+ * registers, each 128-bit lane holding 8 (w[0]: Q4_K/Q5_K sc_0..7, Q6_K sc_0..7; w[1]: Q6_K
+ * sc_8..15), picked per 32 inputs by one vpshufb (kq_mult); the multipliers of the group sums
+ * (m: Q4_K/Q5_K mn_j for groups 2j and 2j + 1, Q6_K sc per group); the float scales d, dmin.
+ * (Eight broadcast vectors per column and 256 inputs, stored and reloaded, took a quarter of
+ * the few-row kernel's time on Zen 2.) */
+typedef struct {
+    __m256i w[2];
+    __m256i m;
+    float d, dmin;
+} kq_scales;
+
+static inline __attribute__((always_inline)) void kq_scales256(const uint8_t* row, int type,
+                                                                int64_t k0, kq_scales* o) {
+    const uint8_t* blk = row + k0 / 256 * block_bytes(type);
+    if (type == T_Q6_K) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i*)(blk + 192));
+        o->m = _mm256_cvtepi8_epi16(sc8);
+        o->w[0] = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(o->m));
+        o->w[1] = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(o->m, 1));
+        o->d = f16_at(blk + 208);
+        o->dmin = 0.0f;
+    } else {
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        uint64_t sc8, mn8;
+        memcpy(&sc8, sc, 8);
+        memcpy(&mn8, mn, 8);
+        const __m128i pairs = _mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t)mn8),
+                                               _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        o->m = _mm256_cvtepu8_epi16(pairs);
+        o->w[0] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc8)));
+        o->w[1] = o->w[0];
+        o->d = f16_at(blk);
+        o->dmin = f16_at(blk + 2);
+    }
+}
+
+/* vpshufb indices of kq_mult: [0][j] word j in both lanes (Q4_K/Q5_K sub-block j of 32);
+ * [1][j] word 2 (j % 4) in the low lane, 2 (j % 4) + 1 in the high one (Q6_K groups 2j and
+ * 2j + 1, from w[j / 4]). */
+#define W2(i) (char)(2 * (i)), (char)(2 * (i) + 1)
+#define W8(i) W2(i), W2(i), W2(i), W2(i), W2(i), W2(i), W2(i), W2(i)
+static const char KQ_PICK[2][8][32] __attribute__((aligned(32))) = {
+    {{W8(0), W8(0)}, {W8(1), W8(1)}, {W8(2), W8(2)}, {W8(3), W8(3)},
+     {W8(4), W8(4)}, {W8(5), W8(5)}, {W8(6), W8(6)}, {W8(7), W8(7)}},
+    {{W8(0), W8(1)}, {W8(2), W8(3)}, {W8(4), W8(5)}, {W8(6), W8(7)},
+     {W8(0), W8(1)}, {W8(2), W8(3)}, {W8(4), W8(5)}, {W8(6), W8(7)}},
+};
+#undef W8
+#undef W2
+
+/* 32 inputs: iv += sum over 2 x 2 lanes of s (q . x), q the unsigned weight bytes. */
+static inline __m256i kq_step(__m256i iv, __m256i q, __m256i x, __m256i s) {
+    return _mm256_add_epi32(iv, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), s));
+}
+
+/* A row's and a column's integer multipliers for one block of 256: p[0], p[1] the column's
+ * sub-block scales times the row's s_b (picked per 32 by kq_mult), m the group sums' (the
+ * column's mins or scales times s_b). sk: the row's 32 multipliers of the block. */
+typedef struct {
+    __m256i p[2];
+    __m256i m;
+} kq_mults;
+
+static inline __attribute__((always_inline)) void kq_row(const kq_scales* o, int type,
+                                                          const int16_t* sk, kq_mults* out) {
+    const __m256i s8 = _mm256_loadu_si256((const __m256i*)sk);
+    const __m256i s16 = _mm256_loadu_si256((const __m256i*)(sk + 16));
+    out->m = _mm256_mullo_epi16(o->m, s16);
+    if (type == T_Q6_K) {
+        out->p[0] = _mm256_mullo_epi16(o->w[0], _mm256_permute2x128_si256(s16, s16, 0x00));
+        out->p[1] = _mm256_mullo_epi16(o->w[1], _mm256_permute2x128_si256(s16, s16, 0x11));
+    } else {
+        out->p[0] = out->p[1] = _mm256_mullo_epi16(o->w[0], s8);
+    }
+}
+
+/* The 16 int16 multipliers of inputs [32 j, 32 j + 32) of the block. */
+static inline __m256i kq_mult(const kq_mults* o, int type, int j) {
+    const int six = type == T_Q6_K;
+    return _mm256_shuffle_epi8(o->p[six ? j / 4 : 0],
+                               _mm256_load_si256((const __m256i*)KQ_PICK[six][j]));
+}
+
+/* The float32 steps of one 256-input block (the order every path takes). */
+static inline __m256 kq_finish(int type, __m256i iv, const kq_scales* o, const kq_mults* mu,
+                               const int16_t* bk, float dk, __m256 acc) {
+    const __m256i gm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)bk), mu->m);
+    if (type == T_Q6_K)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iv, _mm256_slli_epi32(gm, 5))),
+                               _mm256_set1_ps(o->d * dk), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_set1_ps(o->d * dk), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(gm), _mm256_set1_ps(-(o->dmin * dk)), acc);
+}
+
+#define KQ_R 4
+#define KQ_C 2
+/* R rows (from r0) x C decoded K-quant columns of one type (q [C][Kp], as decode_columns
+ * leaves them; rows: the raw rows, for the scales): out [r * KQ_C + c]. */
+static inline __attribute__((always_inline)) void kq_tile_body(
+    const int R, const int C, int type, const uint8_t* const* rows, const uint8_t* q, int64_t K,
+    int64_t Kp, const qacts* a, int64_t r0, float* out) {
+    __m256 acc[KQ_R][KQ_C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    kq_scales sc[KQ_C];
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        for (int c = 0; c < C; ++c) kq_scales256(rows[c], type, k0, &sc[c]);
+        __m256i iv[KQ_R][KQ_C];
+        kq_mults mu[KQ_R][KQ_C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) {
+                iv[r][c] = _mm256_setzero_si256();
+                kq_row(&sc[c], type, a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32, &mu[r][c]);
+            }
+        for (int j = 0; j < 8; ++j) {
+            __m256i wq[KQ_C];
+            for (int c = 0; c < C; ++c)
+                wq[c] = _mm256_loadu_si256((const __m256i*)(q + c * Kp + k0 + 32 * j));
+            for (int r = 0; r < R; ++r) {
+                const __m256i xv =
+                    _mm256_loadu_si256((const __m256i*)(a->xk + (r0 + r) * K + k0 + 32 * j));
+                for (int c = 0; c < C; ++c)
+                    iv[r][c] = kq_step(iv[r][c], wq[c], xv, kq_mult(&mu[r][c], type, j));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const float dk = a->dk[(r0 + r) * (K / 256) + k0 / 256];
+            const int16_t* bk = a->bk + (r0 + r) * (K / 16) + k0 / 16;
+            for (int c = 0; c < C; ++c)
+                acc[r][c] = kq_finish(type, iv[r][c], &sc[c], &mu[r][c], bk, dk, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[r * KQ_C + c] = hsum8(acc[r][c]);
+}
+
+typedef void (*kq_tile_fn)(int, const uint8_t* const*, const uint8_t*, int64_t, int64_t,
+                           const qacts*, int64_t, float*);
+#define DEFINE_KQ_TILE(R, C)                                                                   \
+static void kq_tile_##R##_##C(int type, const uint8_t* const* rows, const uint8_t* q,          \
+                              int64_t K, int64_t Kp, const qacts* a, int64_t r0, float* out) { \
+    kq_tile_body(R, C, type, rows, q, K, Kp, a, r0, out);                                     \
+}
+DEFINE_KQ_TILE(1, 1) DEFINE_KQ_TILE(2, 1) DEFINE_KQ_TILE(3, 1) DEFINE_KQ_TILE(4, 1)
+DEFINE_KQ_TILE(1, 2) DEFINE_KQ_TILE(2, 2) DEFINE_KQ_TILE(3, 2) DEFINE_KQ_TILE(4, 2)
+static const kq_tile_fn KQ_TILES[KQ_R + 1][KQ_C + 1] = {
+    {0},
+    {0, kq_tile_1_1, kq_tile_1_2},
+    {0, kq_tile_2_1, kq_tile_2_2},
+    {0, kq_tile_3_1, kq_tile_3_2},
+    {0, kq_tile_4_1, kq_tile_4_2},
+};
+
 /* ---- AVX2, few rows: columns decoded in registers straight into the dot products ---------
  * For a decode step's few rows the block below spends its time decoding: each column's whole
  * row goes to a buffer (bytes, then float scales per 16) and is read back once per 4 rows
@@ -2084,6 +2334,84 @@ static const few_fn (*few_table(int type, int shift))[FEW_C + 1] {
     }
 }
 
+/* K-quant columns for few rows: C columns of one K type decoded 64 inputs at a time in
+ * registers (as few_body), their integer sums per 256 inputs as kq_tile takes them (the same
+ * kq_step and kq_finish: bit-identical to the blocks of decoded columns). */
+static inline __attribute__((always_inline)) void few_kq_body(
+    const int R, const int C, const int type, const uint8_t* const* rows, int64_t K,
+    const qacts* a, int64_t r0, float* out) {
+    __m256 acc[FEW_R][FEW_C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const int bb = block_bytes(type);
+    const int64_t ahead = FEW_AHEAD * (K / 256 * bb); /* FEW_AHEAD rows on */
+    kq_scales sc[FEW_C];
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        for (int c = 0; c < C; ++c) kq_scales256(rows[c], type, k0, &sc[c]);
+        __m256i iv[FEW_R][FEW_C];
+        kq_mults mu[FEW_R][FEW_C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) {
+                iv[r][c] = _mm256_setzero_si256();
+                kq_row(&sc[c], type, a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32, &mu[r][c]);
+            }
+        /* unrolled: Q6_K's decoding and kq_mult branch on h */
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+            const int64_t k = k0 + 64 * h;
+            for (int c = 0; c < C; ++c) {
+                const uint8_t* pf = rows[c] + ahead + k0 / 256 * bb + h * bb / 4;
+                _mm_prefetch((const char*)pf, _MM_HINT_T0);
+                _mm_prefetch((const char*)pf + 63, _MM_HINT_T0);
+                __m256i w0, w1;
+                decode64_regs(rows[c], type, k, 0, &w0, &w1);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* xr = a->xk + (r0 + r) * K + k;
+                    iv[r][c] = kq_step(iv[r][c], w0, _mm256_loadu_si256((const __m256i*)xr),
+                                       kq_mult(&mu[r][c], type, 2 * h));
+                    iv[r][c] = kq_step(iv[r][c], w1, _mm256_loadu_si256((const __m256i*)(xr + 32)),
+                                       kq_mult(&mu[r][c], type, 2 * h + 1));
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const float dk = a->dk[(r0 + r) * (K / 256) + k0 / 256];
+            const int16_t* bk = a->bk + (r0 + r) * (K / 16) + k0 / 16;
+            for (int c = 0; c < C; ++c)
+                acc[r][c] = kq_finish(type, iv[r][c], &sc[c], &mu[r][c], bk, dk, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[r * FEW_C + c] = hsum8(acc[r][c]);
+}
+
+typedef void (*few_kq_fn)(const uint8_t* const*, int64_t, const qacts*, int64_t, float*);
+#define DEFINE_FEW_KQ(TY, R, C)                                                                \
+static void few_kq_##TY##_##R##_##C(const uint8_t* const* rows, int64_t K, const qacts* a,     \
+                                    int64_t r0, float* out) {                                 \
+    few_kq_body(R, C, T_##TY, rows, K, a, r0, out);                                           \
+}
+#define DEFINE_FEW_KQ_RC(TY)                                                                   \
+    DEFINE_FEW_KQ(TY, 1, 1) DEFINE_FEW_KQ(TY, 1, 2) DEFINE_FEW_KQ(TY, 1, 3)                   \
+    DEFINE_FEW_KQ(TY, 1, 4) DEFINE_FEW_KQ(TY, 2, 1) DEFINE_FEW_KQ(TY, 2, 2)                   \
+    DEFINE_FEW_KQ(TY, 2, 3) DEFINE_FEW_KQ(TY, 2, 4)                                           \
+    static const few_kq_fn FEW_KQ_##TY[FEW_R + 1][FEW_C + 1] = {                              \
+        {0},                                                                                  \
+        {0, few_kq_##TY##_1_1, few_kq_##TY##_1_2, few_kq_##TY##_1_3, few_kq_##TY##_1_4},      \
+        {0, few_kq_##TY##_2_1, few_kq_##TY##_2_2, few_kq_##TY##_2_3, few_kq_##TY##_2_4},      \
+    };
+DEFINE_FEW_KQ_RC(Q4_K) DEFINE_FEW_KQ_RC(Q5_K) DEFINE_FEW_KQ_RC(Q6_K)
+
+static const few_kq_fn (*few_kq_table(int type))[FEW_C + 1] {
+    return type == T_Q4_K ? FEW_KQ_Q4_K : type == T_Q5_K ? FEW_KQ_Q5_K : FEW_KQ_Q6_K;
+}
+
+/* 1 where the pair of columns holding n has a Q8_0 column (the AVX2 products shift both). */
+static int pair_shifted(const kvg_qweight* w, int64_t n, int64_t N) {
+    const int64_t p = n & ~(int64_t)1;
+    return columns_shifted(w, p, N - p < 2 ? (int)(N - p) : 2);
+}
+
 static int qlinear_few_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                              int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
     const int64_t Kp = a->Kp;
@@ -2098,15 +2426,36 @@ static int qlinear_few_range(const kvg_qweight* w, const qacts* a, const float* 
     const uint8_t* rows[FEW_C];
     int types[FEW_C];
     for (int64_t n0 = n_lo; n0 < n_hi;) {
+        rows[0] = weight_row(w, n0, &types[0]);
+        if (!rows[0]) return -1;
+        if (is_kq(types[0]) && a->xk) {
+            /* up to FEW_C K-quant columns of one type: integer sums per 256 */
+            int C = 1;
+            for (; C < FEW_C && n0 + C < n_hi; ++C) {
+                rows[C] = weight_row(w, n0 + C, &types[C]);
+                if (!rows[C]) return -1;
+                if (types[C] != types[0]) break;
+            }
+            const few_kq_fn(*table)[FEW_C + 1] = few_kq_table(types[0]);
+            for (int64_t r0 = 0; r0 < M; r0 += FEW_R) {
+                const int R = M - r0 < FEW_R ? (int)(M - r0) : FEW_R;
+                table[R][C](rows, K, a, r0, out);
+                for (int r = 0; r < R; ++r)
+                    for (int c = 0; c < C; ++c)
+                        store_one(y, (r0 + r) * N + n0 + c,
+                                  out[r * FEW_C + c] + (bias ? bias[n0 + c] : 0.0f), f32);
+            }
+            n0 += C;
+            continue;
+        }
         /* up to FEW_C columns of one shift and, for the specialized code, one type */
-        const int shift = columns_shifted(w, n0, N - n0 < 2 ? (int)(N - n0) : 2);
+        const int shift = pair_shifted(w, n0, N);
         int C = 0, same = 1;
         for (; C < FEW_C && n0 + C < n_hi; ++C) {
-            if (C % 2 == 0 && C &&
-                columns_shifted(w, n0 + C, N - n0 - C < 2 ? (int)(N - n0 - C) : 2) != shift)
-                break;
+            if (C && (n0 + C) % 2 == 0 && pair_shifted(w, n0 + C, N) != shift) break;
             rows[C] = weight_row(w, n0 + C, &types[C]);
             if (!rows[C]) return -1;
+            if (C && is_kq(types[C]) && a->xk) break;
             same &= types[C] == types[0];
         }
         const few_fn(*table)[FEW_C + 1] = few_table(same ? types[0] : T_ANY, shift);
@@ -2154,14 +2503,37 @@ static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias
             const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
             const int shift = columns_shifted(w, n0, C);
             if (decode_columns(w, n0, C, K, Kp, q, ws, wo, shift)) return -1;
+            /* K-quant columns take kq_tile (both at once when of one type), the rest qtile */
+            const uint8_t* raw[MAX_C];
+            int types[MAX_C], kq = 0;
+            for (int c = 0; c < C; ++c) {
+                raw[c] = weight_row(w, n0 + c, &types[c]);
+                kq += is_kq(types[c]) && a->xk;
+            }
+            const int both = kq == C && types[0] == types[C - 1];
             for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
                 const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
-                QTILES[shift][R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
+                if (!kq) {
+                    QTILES[shift][R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
+                } else if (both) {
+                    KQ_TILES[R][C](types[0], raw, q, K, Kp, a, r0, out);
+                } else {
+                    for (int c = 0; c < C; ++c) {
+                        float one[MAX_R * MAX_C];
+                        if (is_kq(types[c]))
+                            KQ_TILES[R][1](types[c], raw + c, q + c * Kp, K, Kp, a, r0, one);
+                        else
+                            QTILES[shift][R][1](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp,
+                                                q + c * Kp, ws + c * (Kp / 16), one);
+                        for (int r = 0; r < R; ++r) out[r * MAX_C + c] = one[r * MAX_C];
+                    }
+                }
                 for (int r = 0; r < R; ++r)
                     for (int c = 0; c < C; ++c) {
-                        const float v = out[r * MAX_C + c] +
-                                        offset_dot(wo + c * (Kp / 16), a->xs + (r0 + r) * (Kp / 16),
-                                                   Kp / 16);
+                        float v = out[r * MAX_C + c];
+                        if (!(kq && is_kq(types[c])))
+                            v += offset_dot(wo + c * (Kp / 16), a->xs + (r0 + r) * (Kp / 16),
+                                            Kp / 16);
                         store_one(y, (r0 + r) * N + n0 + c, v + (bias ? bias[n0 + c] : 0.0f),
                                   f32);
                     }
@@ -2197,7 +2569,35 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     for (int m = 0; m < M; ++m)
         quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
                    xs + (int64_t)m * (Kp / 16), xs32 + (int64_t)m * (Kp / 32));
-    const qacts acts = {xq, dx, xs, xs32, Kp};
+    int8_t* xk = NULL;
+    float* dk = NULL;
+    int16_t *sk = NULL, *bk = NULL;
+#ifdef KVG_Q8K
+    int kq = 0;
+    for (int s = 0; s < w->nsegs; ++s) kq |= is_kq(w->segs[s].type);
+    if (kq) {
+        xk = (int8_t*)malloc((size_t)M * K);
+        dk = (float*)malloc((size_t)M * (K / 256) * sizeof(float));
+        sk = (int16_t*)malloc((size_t)M * (K / 256) * 32 * sizeof(int16_t));
+        bk = (int16_t*)malloc((size_t)M * (K / 16) * sizeof(int16_t));
+        if (!xk || !dk || !sk || !bk) {
+            free(xq);
+            free(dx);
+            free(xs);
+            free(xs32);
+            free(xk);
+            free(dk);
+            free(sk);
+            free(bk);
+            return -2;
+        }
+        #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
+        for (int m = 0; m < M; ++m)
+            quantize_x256(x, io_bf16, m, K, xk + (int64_t)m * K, dk + (int64_t)m * (K / 256),
+                          sk + (int64_t)m * (K / 256) * 32, bk + (int64_t)m * (K / 16));
+    }
+#endif
+    const qacts acts = {xq, dx, xs, xs32, Kp, xk, dk, sk, bk};
     const int f32 = out_f32 || !io_bf16;
     int failed = 0;
     #pragma omp parallel
@@ -2217,6 +2617,10 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     free(dx);
     free(xs);
     free(xs32);
+    free(xk);
+    free(dk);
+    free(sk);
+    free(bk);
     return failed;
 }
 #else
@@ -2257,3 +2661,14 @@ const char* kvgate_isa(void) { return amx_ready ? "amx" : KVGATE_ISA_NAME; }
 #else
 KVGATE_DEFINE_ISA()
 #endif
+
+/* Inputs per activation scale in the products with columns of `type`: 256 for the K-quants
+ * on AVX2 (quantize_x256), else 32 (quantize_x). */
+int kvg_qact_block(int type) {
+#ifdef KVG_Q8K
+    return is_kq(type) ? 256 : 32;
+#else
+    (void)type;
+    return 32;
+#endif
+}
