@@ -25,6 +25,9 @@
  * for every batch size: a sequence's outputs never depend on the rows it is batched with.
  * With AVX512-VNNI a column of a type whose ws and wo hold per 32 inputs (all but Q6_K) takes
  * one float32 step per 32 (the pair's exact integer sum, xs32 = dx x the block's sum).
+ * On AVX2 the K-quant columns (Q4_K, Q5_K, Q6_K) take x in two levels instead (a float step
+ * per 256 inputs times an integer per 32: quantize_x256) and their sub-block scales inside
+ * the integer sums, one float32 step per 256 (kq_step, kq_finish).
  *
  * Loops: columns are split into contiguous ranges per thread; rows go in blocks of ~8 MiB of
  * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
@@ -32,7 +35,8 @@
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
  * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: up to 8
  * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
- * (further below). Measured on Zen 4, one thread, a 4096 x 1536
+ * (further below); Zen 2, 2 threads, Qwen 1.5B shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K
+ * 12.0 -> 17.0 with the K-quants' integer sums per 256. Measured on Zen 4, one thread, a 4096 x 1536
  * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
  * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
  * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
@@ -2169,35 +2173,33 @@ static inline __m256 kq_finish(int type, __m256i iv, const kq_scales* o, const k
 static inline __attribute__((always_inline)) void kq_tile_body(
     const int R, const int C, int type, const uint8_t* const* rows, const uint8_t* q, int64_t K,
     int64_t Kp, const qacts* a, int64_t r0, float* out) {
+    /* One (row, column) at a time per 256 inputs: the multiply pipe bounds this loop
+     * (vpmaddubsw and vpmaddwd, 2 per 32 inputs), not loads from L1. A 4 x 2 tile of
+     * accumulators, which spilled with their multipliers, was no faster (Zen 2, a Qwen
+     * prompt of 143 tokens: 34 tok/s either way). */
     __m256 acc[KQ_R][KQ_C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     kq_scales sc[KQ_C];
     for (int64_t k0 = 0; k0 < K; k0 += 256) {
         for (int c = 0; c < C; ++c) kq_scales256(rows[c], type, k0, &sc[c]);
-        __m256i iv[KQ_R][KQ_C];
-        kq_mults mu[KQ_R][KQ_C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) {
-                iv[r][c] = _mm256_setzero_si256();
-                kq_row(&sc[c], type, a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32, &mu[r][c]);
-            }
-        for (int j = 0; j < 8; ++j) {
-            __m256i wq[KQ_C];
-            for (int c = 0; c < C; ++c)
-                wq[c] = _mm256_loadu_si256((const __m256i*)(q + c * Kp + k0 + 32 * j));
-            for (int r = 0; r < R; ++r) {
-                const __m256i xv =
-                    _mm256_loadu_si256((const __m256i*)(a->xk + (r0 + r) * K + k0 + 32 * j));
-                for (int c = 0; c < C; ++c)
-                    iv[r][c] = kq_step(iv[r][c], wq[c], xv, kq_mult(&mu[r][c], type, j));
-            }
-        }
         for (int r = 0; r < R; ++r) {
+            const int8_t* xr = a->xk + (r0 + r) * K + k0;
+            const int16_t* sk = a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32;
             const float dk = a->dk[(r0 + r) * (K / 256) + k0 / 256];
             const int16_t* bk = a->bk + (r0 + r) * (K / 16) + k0 / 16;
-            for (int c = 0; c < C; ++c)
-                acc[r][c] = kq_finish(type, iv[r][c], &sc[c], &mu[r][c], bk, dk, acc[r][c]);
+            for (int c = 0; c < C; ++c) {
+                kq_mults mu;
+                kq_row(&sc[c], type, sk, &mu);
+                const uint8_t* qc = q + c * Kp + k0;
+                __m256i iv = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j)
+                    iv = kq_step(iv, _mm256_loadu_si256((const __m256i*)(qc + 32 * j)),
+                                 _mm256_loadu_si256((const __m256i*)(xr + 32 * j)),
+                                 kq_mult(&mu, type, j));
+                acc[r][c] = kq_finish(type, iv, &sc[c], &mu, bk, dk, acc[r][c]);
+            }
         }
     }
     for (int r = 0; r < R; ++r)
