@@ -2560,17 +2560,8 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     float* dx = (float*)malloc((size_t)M * (Kp / 32) * sizeof(float));
     float* xs = (float*)malloc((size_t)M * (Kp / 16) * sizeof(float));
     float* xs32 = (float*)malloc((size_t)M * (Kp / 32) * sizeof(float));
-    if (!xq || !dx || !xs || !xs32) {
-        free(xq);
-        free(dx);
-        free(xs);
-        free(xs32);
-        return -2;
-    }
-    #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
-    for (int m = 0; m < M; ++m)
-        quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
-                   xs + (int64_t)m * (Kp / 16), xs32 + (int64_t)m * (Kp / 32));
+    int ok = xq && dx && xs && xs32;
+    /* the K-quant columns' activations (AVX2), where the layer has such columns */
     int8_t* xk = NULL;
     float* dk = NULL;
     int16_t *sk = NULL, *bk = NULL;
@@ -2582,37 +2573,35 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
         dk = (float*)malloc((size_t)M * (K / 256) * sizeof(float));
         sk = (int16_t*)malloc((size_t)M * (K / 256) * 32 * sizeof(int16_t));
         bk = (int16_t*)malloc((size_t)M * (K / 16) * sizeof(int16_t));
-        if (!xk || !dk || !sk || !bk) {
-            free(xq);
-            free(dx);
-            free(xs);
-            free(xs32);
-            free(xk);
-            free(dk);
-            free(sk);
-            free(bk);
-            return -2;
-        }
-        #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
-        for (int m = 0; m < M; ++m)
-            quantize_x256(x, io_bf16, m, K, xk + (int64_t)m * K, dk + (int64_t)m * (K / 256),
-                          sk + (int64_t)m * (K / 256) * 32, bk + (int64_t)m * (K / 16));
+        ok = ok && xk && dk && sk && bk;
     }
 #endif
-    const qacts acts = {xq, dx, xs, xs32, Kp, xk, dk, sk, bk};
-    const int f32 = out_f32 || !io_bf16;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        int nt = 1, tid = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        tid = omp_get_thread_num();
+    int failed = ok ? 0 : -2;
+    if (ok) {
+        #pragma omp parallel for schedule(static) if ((int64_t)M * K > 65536)
+        for (int m = 0; m < M; ++m) {
+            quantize_x(x, io_bf16, m, K, Kp, xq + (int64_t)m * Kp, dx + (int64_t)m * (Kp / 32),
+                       xs + (int64_t)m * (Kp / 16), xs32 + (int64_t)m * (Kp / 32));
+#ifdef KVG_Q8K
+            if (xk)
+                quantize_x256(x, io_bf16, m, K, xk + (int64_t)m * K, dk + (int64_t)m * (K / 256),
+                              sk + (int64_t)m * (K / 256) * 32, bk + (int64_t)m * (K / 16));
 #endif
-        const int rc = qlinear_range(w, &acts, (const float*)bias, y, M, N, K, f32, tid, nt);
-        if (rc) {
-            #pragma omp atomic write
-            failed = rc;
+        }
+        const qacts acts = {xq, dx, xs, xs32, Kp, xk, dk, sk, bk};
+        const int f32 = out_f32 || !io_bf16;
+        #pragma omp parallel
+        {
+            int nt = 1, tid = 0;
+#ifdef _OPENMP
+            nt = omp_get_num_threads();
+            tid = omp_get_thread_num();
+#endif
+            const int rc = qlinear_range(w, &acts, (const float*)bias, y, M, N, K, f32, tid, nt);
+            if (rc) {
+                #pragma omp atomic write
+                failed = rc;
+            }
         }
     }
     free(xq);
