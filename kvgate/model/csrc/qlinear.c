@@ -36,9 +36,9 @@
  * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: up to 8
  * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
  * (further below); Zen 2, 2 threads, Qwen 1.5B shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K
- * 12.0 -> 17.0 with the K-quants' integer sums per 256. Measured on Zen 4, one thread, a 4096 x 1536
- * layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1 before
- * row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
+ * 12.0 -> 17.0 with the K-quants' integer sums per 256. Measured on Zen 4, one thread, a
+ * 4096 x 1536 layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1
+ * before row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
  * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
  * panel_per32), 110 for Q6_K (per 16), against 111 for both with every step per 16.
  * AMX-INT8 (the amx build, 16 rows and more): the same decoded panels as the B tiles of
@@ -1985,20 +1985,16 @@ static int columns_shifted(const kvg_qweight* w, int64_t n0, int C) {
 /* ---- AVX2, K-quant columns: integer sums per 256 inputs ---------------------------------
  * Per 32 inputs the columns above take three float32 steps (to float, times the column's and
  * the row's scale, add), and a decode step's few rows spend more time there than on the
- * weights: on Zen 2, ~5 of ~12 instructions per 32 inputs of one row. For Q4_K, Q5_K and
- * Q6_K, whose sub-block scales are integers under one float scale per 256 inputs, x is
- * quantized per 256 instead (as llama.cpp's Q8_K activations: xk, one dk per 256, and the
- * int16 sums of each group of 16, bk), so the sub-block scales go into the integer sums
- * (vpmaddwd with the scales instead of ones): per 32 inputs vpmaddubsw, vpmaddwd, vpaddd, and
- * per 256 inputs, with iv the 8 int32 lanes of sum_j sc_j dot_j(q, xk):
- *   Q4_K, Q5_K: acc += float(iv) (d dk), then acc += float(mn . bk) (-(dmin dk))
- *   Q6_K:       acc += float(iv - 32 (sc . bk)) (d dk)
- * (mn . bk, sc . bk: vpmaddwd of the group sums with the mins or scales per 16). The lanes
- * never overflow: |sc| <= 127, q <= 63, |xk| <= 127, so a lane holds at most
- * 8 x 2 x 127 x 2 x 63 x 127 < 2^26. Every path takes a K-quant column this way (the few rows
- * below and the blocks of decoded columns), one float32 step order for every M: the outputs
- * stay batch-invariant. The coarser step of x (one per 256) is llama.cpp's; its quality on
- * the Qwen file is in tests/e2e/test_qwen_native.py. */
+ * weights: on Zen 2, ~5 of ~12 instructions per 32 inputs of one row. Q4_K, Q5_K and Q6_K
+ * have integer sub-block scales under one float scale per 256 inputs, so for their columns
+ * x is quantized in two levels per 256 inputs (quantize_x256, below) and the sub-block scales
+ * go into the integer sums (vpmaddwd with the scales instead of ones): per 32 inputs
+ * vpmaddubsw, vpshufb, vpmaddwd, vpaddd; per 256 inputs, with iv the 8 int32 lanes of
+ * sum_j (sc_j s_j) dot_j(q, xk) and the group sums' products gm (kq_row, kq_finish):
+ *   Q4_K, Q5_K: acc += float(iv) (d dk), then acc += float(gm) (-(dmin dk))
+ *   Q6_K:       acc += float(iv - 32 gm) (d dk)
+ * Every path takes a K-quant column this way (the few rows below and the blocks of decoded
+ * columns), in one float32 step order for every M: the outputs stay batch-invariant. */
 #define KVG_Q8K 1
 
 static inline int is_kq(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
@@ -2072,7 +2068,8 @@ static void quantize_x256(const void* x, int io_bf16, int64_t m, int64_t K, int8
 
 /* A K-quant column's scales for inputs [k0, k0 + 256): its integer multipliers as int16 in
  * registers, each 128-bit lane holding 8 (w[0]: Q4_K/Q5_K sc_0..7, Q6_K sc_0..7; w[1]: Q6_K
- * sc_8..15), picked per 32 inputs by one vpshufb (kq_mult); the multipliers of the group sums
+ * sc_8..15), times a row's s_b once per 256 (kq_row), then picked per 32 inputs by one
+ * vpshufb (kq_mult); the multipliers of the group sums
  * (m: Q4_K/Q5_K mn_j for groups 2j and 2j + 1, Q6_K sc per group); the float scales d, dmin.
  * (Eight broadcast vectors per column and 256 inputs, stored and reloaded, took a quarter of
  * the few-row kernel's time on Zen 2.) */
