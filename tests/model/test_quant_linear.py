@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvgate.model.cpu_kernels import KernelLibrary, load_quant_lib
 from kvgate.model.linear import (
@@ -278,6 +278,49 @@ def _forged(qtype: GGMLQuantizationType, shape: tuple[int, int], data: torch.Ten
     for field, value in (("qtype", qtype), ("shape", shape), ("data", data), ("name", "bad")):
         object.__setattr__(t, field, value)
     return t
+
+
+def _extreme_blocks(qtype: GGMLQuantizationType, fill: int, rows: int, k: int) -> QuantTensor:
+    """Every block of ``qtype`` with its largest integer scales (and mins) and every quantized
+    value the byte pattern ``fill`` gives (0xFF: Q4_K 15, Q5_K 31, Q6_K 63; 0x00: Q6_K 0,
+    i.e. q - 32 = -32); the float scales 2^-20."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.full((rows * (k // block), size), fill, dtype=np.uint8)
+    half = np.array([2.0**-20], dtype=np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # ql [128], qh [64], int8 scales [16], f16 d
+        raw[:, 192:208] = 0x80  # -128
+        raw[:, 208:210] = half
+    else:  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins (all 63), [fifth bits], nibbles
+        raw[:, 0:2] = raw[:, 2:4] = half
+        raw[:, 4:16] = 0xFF
+    return QuantTensor(qtype, (rows, k), torch.from_numpy(raw.reshape(rows, -1)), "extreme")
+
+
+@levels
+@pytest.mark.parametrize(
+    ("qtype", "fill"),
+    [(Q.Q4_K, 0xFF), (Q.Q5_K, 0xFF), (Q.Q6_K, 0xFF), (Q.Q6_K, 0x00)],
+    ids=["Q4_K", "Q5_K", "Q6_K-63", "Q6_K-0"],
+)
+def test_k_quant_sums_at_their_extremes_stay_exact(
+    level: str, qtype: GGMLQuantizationType, fill: int
+) -> None:
+    """The AVX2 K-quant paths sum in int16 and int32 and take their float32 steps on exact
+    integer totals per 256 inputs (Q6_K per 128): the largest weights and scales against x
+    of equal magnitude (every input quantized to +-127 x 32) reach each total's bound (Q5_K
+    2.04e9, Q6_K 2.13e9 of 2^31; Q6_K-63 wraps its int16 partial sums on the way). A total
+    that overflowed would be off by 2^32 steps; both the few-row kernels (1..8 rows) and the
+    blocks of 8 columns (13 rows) stay within the rounding bound, and agree bit for bit."""
+    lib = _library(level)
+    k, n = 512, 16
+    w = _extreme_blocks(qtype, fill, n, k)
+    signs = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0])
+    x = (signs[:, None] * torch.ones(13, k)).bfloat16()
+    lin = QuantLinear([w], None, lib, io_dtype=torch.bfloat16, float32_out=True)
+    batch = lin(x)
+    _assert_near(lib, batch, x, [w])
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(13)]), batch)
+    assert torch.equal(lin(x[:8]), batch[:8])
 
 
 @levels

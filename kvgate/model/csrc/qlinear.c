@@ -27,7 +27,7 @@
  * one float32 step per 32 (the pair's exact integer sum, xs32 = dx x the block's sum).
  * On AVX2 the K-quant columns (Q4_K, Q5_K, Q6_K) take x in two levels instead (a float step
  * per 256 inputs times an integer per 32: quantize_x256) and their sub-block scales inside
- * the integer sums, one float32 step per 256 (kq_step, kq_finish).
+ * the integer sums, two float32 steps per 256 on exact integer totals (kq_sums).
  *
  * Loops: columns are split into contiguous ranges per thread; rows go in blocks of ~8 MiB of
  * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
@@ -35,8 +35,9 @@
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
  * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: up to 8
  * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
- * (further below); Zen 2, 2 threads, Qwen 1.5B shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K
- * 12.0 -> 17.0 with the K-quants' integer sums per 256. Measured on Zen 4, one thread, a
+ * (qtile) or, for the K-quants, of 8 interleaved ones (kq8); Zen 2, 2 threads, Qwen 1.5B
+ * shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K 12.0 -> 17.0 with the K-quants' integer sums
+ * per 256; at 32 rows 83 -> 166 and 89 -> 163 GFLOP/s with kq8. Measured on Zen 4, one thread, a
  * 4096 x 1536 layer in cache: one row at 24 (Q4_K) and 20 (Q6_K) G weights/s, 13.6 and 13.1
  * before row1_run; the Qwen 1.5B file's batch-1 decode at 64% of the streaming read bound (2
  * threads). Many rows: 137 G multiply-adds/s per core for Q4_K (float32 steps per 32 inputs,
@@ -519,6 +520,7 @@ typedef struct {
     const float* dk;
     const int16_t* sk;
     const int16_t* bk;
+    const int32_t* o6;
 } qacts;
 
 #if defined(KVGATE_AVX512BF16) && defined(__AVX512VNNI__)
@@ -1988,13 +1990,18 @@ static int columns_shifted(const kvg_qweight* w, int64_t n0, int C) {
  * weights: on Zen 2, ~5 of ~12 instructions per 32 inputs of one row. Q4_K, Q5_K and Q6_K
  * have integer sub-block scales under one float scale per 256 inputs, so for their columns
  * x is quantized in two levels per 256 inputs (quantize_x256, below) and the sub-block scales
- * go into the integer sums (vpmaddwd with the scales instead of ones): per 32 inputs
- * vpmaddubsw, vpshufb, vpmaddwd, vpaddd; per 256 inputs, with iv the 8 int32 lanes of
- * sum_j (sc_j s_j) dot_j(q, xk) and the group sums' products gm (kq_row, kq_finish):
- *   Q4_K, Q5_K: acc += float(iv) (d dk), then acc += float(gm) (-(dmin dk))
- *   Q6_K:       acc += float(iv - 32 gm) (d dk)
- * Every path takes a K-quant column this way (the few rows below and the blocks of decoded
- * columns), in one float32 step order for every M: the outputs stay batch-invariant. */
+ * go into the integer sums (vpmaddwd with the scales instead of ones). Each output then
+ * takes its float32 steps on exact integer totals (kq_sums), per 256 inputs b:
+ *   Q4_K, Q5_K: T = sum_j sc_j s_j dot_j(q, xk), G = sum_j mn_j s_j sum_j(xk)
+ *               acc = fma(float(T), d dk, acc); acc = fma(float(G), -(dmin dk), acc)
+ *   Q6_K:       U_h = sum over the groups g of half h (128 inputs) of sc_g s_g dot_g(q - 32, xk)
+ *               acc = fma(float(U_0), d dk, acc); acc = fma(float(U_1), d dk, acc)
+ * Every total fits int32 (Q5_K's T: 256 x 31 x 127 x 63 x 32 = 2.04e9; Q6_K's U_h: 128 x 32
+ * x 127 x 128 x 32 = 2.13e9, hence halves), so they are exact however a path groups its
+ * partial sums (int32 additions wrap: partial sums may pass 2^31, totals may not). The few
+ * rows (columns decoded in registers, lanes per column folded at the end) and the blocks of 8
+ * interleaved columns (kq8, int16 sums per sub-block) group them differently and agree bit
+ * for bit: the outputs stay batch-invariant. */
 #define KVG_Q8K 1
 
 static inline int is_kq(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
@@ -2152,73 +2159,22 @@ static inline __m256i kq_mult(const kq_mults* o, int type, int j) {
                                _mm256_load_si256((const __m256i*)KQ_PICK[six][j]));
 }
 
-/* The float32 steps of one 256-input block (the order every path takes). */
-static inline __m256 kq_finish(int type, __m256i iv, const kq_scales* o, const kq_mults* mu,
-                               const int16_t* bk, float dk, __m256 acc) {
-    const __m256i gm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)bk), mu->m);
-    if (type == T_Q6_K)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iv, _mm256_slli_epi32(gm, 5))),
-                               _mm256_set1_ps(o->d * dk), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_set1_ps(o->d * dk), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(gm), _mm256_set1_ps(-(o->dmin * dk)), acc);
+/* kq_sums: the exact sums of 8 int32 lanes, in two steps: fold8 to 4 lanes, then hsum4x4 for
+ * 4 vectors at once, [sum a, sum b, sum c, sum d]. Additions wrap (mod 2^32): a total is
+ * exact wherever it fits int32, whatever its partial sums do. */
+static inline __m128i fold8(__m256i v) {
+    return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
-#define KQ_R 4
-#define KQ_C 2
-/* R rows (from r0) x C decoded K-quant columns of one type (q [C][Kp], as decode_columns
- * leaves them; rows: the raw rows, for the scales): out [r * KQ_C + c]. */
-static inline __attribute__((always_inline)) void kq_tile_body(
-    const int R, const int C, int type, const uint8_t* const* rows, const uint8_t* q, int64_t K,
-    int64_t Kp, const qacts* a, int64_t r0, float* out) {
-    /* One (row, column) at a time per 256 inputs: the multiply pipe bounds this loop
-     * (vpmaddubsw and vpmaddwd, 2 per 32 inputs), not loads from L1. A 4 x 2 tile of
-     * accumulators, which spilled with their multipliers, was no faster (Zen 2, a Qwen
-     * prompt of 143 tokens: 34 tok/s either way). */
-    __m256 acc[KQ_R][KQ_C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    kq_scales sc[KQ_C];
-    for (int64_t k0 = 0; k0 < K; k0 += 256) {
-        for (int c = 0; c < C; ++c) kq_scales256(rows[c], type, k0, &sc[c]);
-        for (int r = 0; r < R; ++r) {
-            const int8_t* xr = a->xk + (r0 + r) * K + k0;
-            const int16_t* sk = a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32;
-            const float dk = a->dk[(r0 + r) * (K / 256) + k0 / 256];
-            const int16_t* bk = a->bk + (r0 + r) * (K / 16) + k0 / 16;
-            for (int c = 0; c < C; ++c) {
-                kq_mults mu;
-                kq_row(&sc[c], type, sk, &mu);
-                const uint8_t* qc = q + c * Kp + k0;
-                __m256i iv = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; ++j)
-                    iv = kq_step(iv, _mm256_loadu_si256((const __m256i*)(qc + 32 * j)),
-                                 _mm256_loadu_si256((const __m256i*)(xr + 32 * j)),
-                                 kq_mult(&mu, type, j));
-                acc[r][c] = kq_finish(type, iv, &sc[c], &mu, bk, dk, acc[r][c]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) out[r * KQ_C + c] = hsum8(acc[r][c]);
+static inline __m128i hsum4x4(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
 }
 
-typedef void (*kq_tile_fn)(int, const uint8_t* const*, const uint8_t*, int64_t, int64_t,
-                           const qacts*, int64_t, float*);
-#define DEFINE_KQ_TILE(R, C)                                                                   \
-static void kq_tile_##R##_##C(int type, const uint8_t* const* rows, const uint8_t* q,          \
-                              int64_t K, int64_t Kp, const qacts* a, int64_t r0, float* out) { \
-    kq_tile_body(R, C, type, rows, q, K, Kp, a, r0, out);                                     \
+/* C (<= 4, a constant where inlined) columns' folded lanes -> their 4 totals (0 past C). */
+static inline __m128i sums4(const __m128i* v, const int C) {
+    const __m128i z = _mm_setzero_si128();
+    return hsum4x4(v[0], C > 1 ? v[1] : z, C > 2 ? v[2] : z, C > 3 ? v[3] : z);
 }
-DEFINE_KQ_TILE(1, 1) DEFINE_KQ_TILE(2, 1) DEFINE_KQ_TILE(3, 1) DEFINE_KQ_TILE(4, 1)
-DEFINE_KQ_TILE(1, 2) DEFINE_KQ_TILE(2, 2) DEFINE_KQ_TILE(3, 2) DEFINE_KQ_TILE(4, 2)
-static const kq_tile_fn KQ_TILES[KQ_R + 1][KQ_C + 1] = {
-    {0},
-    {0, kq_tile_1_1, kq_tile_1_2},
-    {0, kq_tile_2_1, kq_tile_2_2},
-    {0, kq_tile_3_1, kq_tile_3_2},
-    {0, kq_tile_4_1, kq_tile_4_2},
-};
 
 /* ---- AVX2, few rows: columns decoded in registers straight into the dot products ---------
  * For a decode step's few rows the block below spends its time decoding: each column's whole
@@ -2334,26 +2290,36 @@ static const few_fn (*few_table(int type, int shift))[FEW_C + 1] {
 }
 
 /* K-quant columns for few rows: C columns of one K type decoded 64 inputs at a time in
- * registers (as few_body), their integer sums per 256 inputs as kq_tile takes them (the same
- * kq_step and kq_finish: bit-identical to the blocks of decoded columns). */
+ * registers (as few_body), their integer sums per 256 inputs folded to each column's exact
+ * totals (kq_sums: T and G, or U_0 and U_1) and the float32 steps taken for 4 columns at once
+ * in the lanes of one vector, in the order kq8 takes them (bit-identical). */
 static inline __attribute__((always_inline)) void few_kq_body(
     const int R, const int C, const int type, const uint8_t* const* rows, int64_t K,
     const qacts* a, int64_t r0, float* out) {
-    __m256 acc[FEW_R][FEW_C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    __m128 acc[FEW_R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
+    const __m128 sign = _mm_set1_ps(-0.0f);
     const int bb = block_bytes(type);
     const int64_t ahead = FEW_AHEAD * (K / 256 * bb); /* FEW_AHEAD rows on */
     kq_scales sc[FEW_C];
     for (int64_t k0 = 0; k0 < K; k0 += 256) {
-        for (int c = 0; c < C; ++c) kq_scales256(rows[c], type, k0, &sc[c]);
+        float dv[FEW_C] = {0}, mv[FEW_C] = {0};
+        for (int c = 0; c < C; ++c) {
+            kq_scales256(rows[c], type, k0, &sc[c]);
+            dv[c] = sc[c].d;
+            mv[c] = sc[c].dmin;
+        }
         __m256i iv[FEW_R][FEW_C];
         kq_mults mu[FEW_R][FEW_C];
-        for (int r = 0; r < R; ++r)
+        __m128 dd[FEW_R];
+        for (int r = 0; r < R; ++r) {
+            dd[r] = _mm_mul_ps(_mm_loadu_ps(dv),
+                               _mm_set1_ps(a->dk[(r0 + r) * (K / 256) + k0 / 256]));
             for (int c = 0; c < C; ++c) {
                 iv[r][c] = _mm256_setzero_si256();
                 kq_row(&sc[c], type, a->sk + ((r0 + r) * (K / 256) + k0 / 256) * 32, &mu[r][c]);
             }
+        }
         /* unrolled: Q6_K's decoding and kq_mult branch on h */
 #pragma GCC unroll 4
         for (int h = 0; h < 4; ++h) {
@@ -2372,16 +2338,46 @@ static inline __attribute__((always_inline)) void few_kq_body(
                                        kq_mult(&mu[r][c], type, 2 * h + 1));
                 }
             }
+            if (type == T_Q6_K && h % 2) {
+                /* U_h of the half just summed: sum (q - 32) x = iv - 32 gm */
+                for (int r = 0; r < R; ++r) {
+                    const __m256i bk =
+                        _mm256_loadu_si256((const __m256i*)(a->bk + (r0 + r) * (K / 16) + k0 / 16));
+                    __m128i u[FEW_C];
+                    for (int c = 0; c < C; ++c) {
+                        const __m256i gm = _mm256_madd_epi16(bk, mu[r][c].m);
+                        const __m128i half = h == 1 ? _mm256_castsi256_si128(gm)
+                                                    : _mm256_extracti128_si256(gm, 1);
+                        u[c] = _mm_sub_epi32(fold8(iv[r][c]), _mm_slli_epi32(half, 5));
+                        iv[r][c] = _mm256_setzero_si256();
+                    }
+                    acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4(u, C)), dd[r], acc[r]);
+                }
+            }
         }
-        for (int r = 0; r < R; ++r) {
-            const float dk = a->dk[(r0 + r) * (K / 256) + k0 / 256];
-            const int16_t* bk = a->bk + (r0 + r) * (K / 16) + k0 / 16;
-            for (int c = 0; c < C; ++c)
-                acc[r][c] = kq_finish(type, iv[r][c], &sc[c], &mu[r][c], bk, dk, acc[r][c]);
+        if (type != T_Q6_K) {
+            for (int r = 0; r < R; ++r) {
+                const __m256i bk =
+                    _mm256_loadu_si256((const __m256i*)(a->bk + (r0 + r) * (K / 16) + k0 / 16));
+                __m128i t[FEW_C], g[FEW_C];
+                for (int c = 0; c < C; ++c) {
+                    t[c] = fold8(iv[r][c]);
+                    g[c] = fold8(_mm256_madd_epi16(bk, mu[r][c].m));
+                }
+                const __m128 dm = _mm_xor_ps(
+                    _mm_mul_ps(_mm_loadu_ps(mv),
+                               _mm_set1_ps(a->dk[(r0 + r) * (K / 256) + k0 / 256])),
+                    sign);
+                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4(t, C)), dd[r], acc[r]);
+                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4(g, C)), dm, acc[r]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) out[r * FEW_C + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < R; ++r) {
+        float v[4];
+        _mm_storeu_ps(v, acc[r]);
+        for (int c = 0; c < C; ++c) out[r * FEW_C + c] = v[c];
+    }
 }
 
 typedef void (*few_kq_fn)(const uint8_t* const*, int64_t, const qacts*, int64_t, float*);
@@ -2477,66 +2473,331 @@ static int qlinear_few_range(const kvg_qweight* w, const qacts* a, const float* 
     return 0;
 }
 
+/* ---- AVX2, K-quant columns for many rows: 8 columns interleaved, int16 sums ---------------
+ * For prompts the column-at-a-time sums above take 2 multiplies per 32 inputs (vpmaddubsw,
+ * vpmaddwd) plus the multipliers per 256, and Zen 2 runs one multiply per cycle per core:
+ * ~85 GFLOP/s at 32 rows on 2 cores, against llama-server's 127 on the same shapes. Here 8
+ * columns of one K type are decoded once per block of rows into bytes interleaved by 4 inputs
+ * (32 bytes: inputs 4t .. 4t + 3 of columns 0..7; kq8_decode), a row's 4 inputs are
+ * broadcast into one vpmaddubsw against all 8 columns, and the products are summed in int16
+ * across a sub-block before one vpmaddwd with the 8 columns' sub-block scales times the row's
+ * s_b: per 32 inputs 1.5 multiplies with the multipliers and mins (Q4_K), 1.625 (Q5_K), 1.5
+ * (Q6_K) (llama.cpp's repacked x86 GEMMs take int16 sums the same way). The int16 words
+ * (word 2c: inputs 4t, 4t + 1 of column c; 2c + 1: 4t + 2, 4t + 3) stay exact:
+ *   Q4_K: 8 steps, |word| <= 16 x 15 x 127 = 30480
+ *   Q5_K: 4 steps (two vpmaddwd per sub-block), 8 x 31 x 127 = 31496
+ *   Q6_K: 4 steps (a group of 16), the offset 32 sum x of the word's 8 inputs subtracted
+ *         (o6, per row): sum (q - 32) x, |word| <= 8 x 32 x 127 = 32512 (vpaddw wraps, so
+ *         the unsigned partial sums may pass 2^15: only the total must fit)
+ * The column totals land one per int32 lane, so the float32 steps per 256 are one vector for
+ * 8 outputs, on the totals the few-row kernels form (kq_sums): bit-identical. Zen 2, 2
+ * threads, Qwen 1.5B shapes (bench/qlinears.py): Q4_K 83 -> 166 GFLOP/s at 32 rows, 192 at
+ * 128; Q6_K 89 -> 163, 192. */
+#define KQ8_R 4
+
+/* One block of 256 inputs of 8 columns: int16 multipliers for vpmaddwd against the int16
+ * words (each column's twice: [c0 c0 c1 c1 .. c7 c7]), float scales per column. */
+typedef struct {
+    int16_t sc[16][16]; /* [j]: sub-block j's scales (Q4_K, Q5_K: j < 8), Q6_K group j's */
+    int16_t mn[8][16];  /* [j]: sub-block j's mins (Q4_K, Q5_K) */
+    float d[8], dmin[8];
+} kq8_block;
+
+/* r[i] (column i's 8 dwords) -> r[t] (dword t of columns 0..7). */
+static inline void transpose8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* Columns n0 .. n0 + 7 (all of type `type`) -> q [K / 4][32] and blocks [K / 256]. */
+static int kq8_decode(const kvg_qweight* w, int64_t n0, int type, int64_t K, uint8_t* q,
+                      kq8_block* blocks) {
+    const uint8_t* rows[8];
+    for (int c = 0; c < 8; ++c) {
+        int t;
+        rows[c] = weight_row(w, n0 + c, &t);
+        if (!rows[c] || t != type) return -1;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        __m256i lo[8], hi[8];
+        for (int c = 0; c < 8; ++c) decode64_regs(rows[c], type, k0, 0, &lo[c], &hi[c]);
+        transpose8_epi32(lo);
+        transpose8_epi32(hi);
+        uint8_t* o = q + k0 / 4 * 32;
+        for (int t = 0; t < 8; ++t) {
+            _mm256_storeu_si256((__m256i*)(o + 32 * t), lo[t]);
+            _mm256_storeu_si256((__m256i*)(o + 32 * (8 + t)), hi[t]);
+        }
+    }
+    const int bb = block_bytes(type);
+    for (int64_t b = 0; b < K / 256; ++b) {
+        kq8_block* o = blocks + b;
+        for (int c = 0; c < 8; ++c) {
+            const uint8_t* blk = rows[c] + b * bb;
+            if (type == T_Q6_K) {
+                for (int j = 0; j < 16; ++j) o->sc[j][2 * c] = o->sc[j][2 * c + 1] = (int8_t)blk[192 + j];
+                o->d[c] = f16_at(blk + 208);
+                o->dmin[c] = 0.0f;
+            } else {
+                uint8_t sc[8], mn[8];
+                k_scales(blk + 4, sc, mn);
+                for (int j = 0; j < 8; ++j) {
+                    o->sc[j][2 * c] = o->sc[j][2 * c + 1] = sc[j];
+                    o->mn[j][2 * c] = o->mn[j][2 * c + 1] = mn[j];
+                }
+                o->d[c] = f16_at(blk);
+                o->dmin[c] = f16_at(blk + 2);
+            }
+        }
+    }
+    return 0;
+}
+
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* R rows (from r0) x the 8 decoded columns: out [r][8]. */
+static inline __attribute__((always_inline)) void kq8_body(const int R, const int type,
+                                                            const uint8_t* q,
+                                                            const kq8_block* blocks, int64_t K,
+                                                            const qacts* a, int64_t r0,
+                                                            float* out) {
+    const int64_t nb = K / 256;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 acc[KQ8_R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const kq8_block* o = blocks + b;
+        const uint8_t* qb = q + b * 2048;
+        const int8_t* x[KQ8_R];
+        const int16_t* sk[KQ8_R];
+        __m256 dd[KQ8_R];
+        __m256i T[KQ8_R];
+        const __m256 d8 = _mm256_loadu_ps(o->d);
+        for (int r = 0; r < R; ++r) {
+            x[r] = a->xk + (r0 + r) * K + 256 * b;
+            sk[r] = a->sk + ((r0 + r) * nb + b) * 32;
+            dd[r] = _mm256_mul_ps(d8, _mm256_set1_ps(a->dk[(r0 + r) * nb + b]));
+            T[r] = _mm256_setzero_si256();
+        }
+        if (type == T_Q6_K) {
+            const int32_t* o6[KQ8_R];
+            for (int r = 0; r < R; ++r) o6[r] = a->o6 + (r0 + r) * (K / 16) + 16 * b;
+            for (int h = 0; h < 2; ++h) {
+                for (int g = 8 * h; g < 8 * h + 8; ++g) {
+                    __m256i s16[KQ8_R];
+#pragma GCC unroll 4
+                    for (int t = 0; t < 4; ++t) {
+                        const __m256i wv = _mm256_loadu_si256((const __m256i*)(qb + 32 * (4 * g + t)));
+                        for (int r = 0; r < R; ++r) {
+                            const __m256i p = _mm256_maddubs_epi16(wv, bcast4(x[r] + 16 * g + 4 * t));
+                            s16[r] = t ? _mm256_add_epi16(s16[r], p) : p;
+                        }
+                    }
+                    const __m256i scv = _mm256_loadu_si256((const __m256i*)o->sc[g]);
+                    for (int r = 0; r < R; ++r) {
+                        const __m256i s = _mm256_sub_epi16(s16[r], _mm256_set1_epi32(o6[r][g]));
+                        T[r] = _mm256_add_epi32(
+                            T[r], _mm256_madd_epi16(s, _mm256_mullo_epi16(
+                                                           scv, _mm256_set1_epi16(sk[r][g / 2]))));
+                    }
+                }
+                for (int r = 0; r < R; ++r) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[r]), dd[r], acc[r]);
+                    T[r] = _mm256_setzero_si256();
+                }
+            }
+        } else {
+            const int run = type == T_Q5_K ? 4 : 8; /* steps per int16 sum */
+            for (int j = 0; j < 8; ++j) {
+                const __m256i scv = _mm256_loadu_si256((const __m256i*)o->sc[j]);
+                __m256i mult[KQ8_R];
+                for (int r = 0; r < R; ++r)
+                    mult[r] = _mm256_mullo_epi16(scv, _mm256_set1_epi16(sk[r][j]));
+                for (int t0 = 0; t0 < 8; t0 += run) {
+                    __m256i s16[KQ8_R];
+#pragma GCC unroll 8
+                    for (int t = t0; t < t0 + run; ++t) {
+                        const __m256i wv = _mm256_loadu_si256((const __m256i*)(qb + 32 * (8 * j + t)));
+                        for (int r = 0; r < R; ++r) {
+                            const __m256i p = _mm256_maddubs_epi16(wv, bcast4(x[r] + 32 * j + 4 * t));
+                            s16[r] = t > t0 ? _mm256_add_epi16(s16[r], p) : p;
+                        }
+                    }
+                    for (int r = 0; r < R; ++r)
+                        T[r] = _mm256_add_epi32(T[r], _mm256_madd_epi16(s16[r], mult[r]));
+                }
+            }
+            const __m256 dmin8 = _mm256_loadu_ps(o->dmin);
+            for (int r = 0; r < R; ++r) {
+                /* G = sum_j mn_j s_j (bk_2j + bk_2j+1) */
+                const int16_t* bk = a->bk + (r0 + r) * (K / 16) + 16 * b;
+                __m256i G = _mm256_setzero_si256();
+                for (int j = 0; j < 8; ++j) {
+                    int32_t pair;
+                    memcpy(&pair, bk + 2 * j, 4);
+                    const __m256i mv = _mm256_mullo_epi16(
+                        _mm256_loadu_si256((const __m256i*)o->mn[j]), _mm256_set1_epi16(sk[r][j]));
+                    G = _mm256_add_epi32(G, _mm256_madd_epi16(mv, _mm256_set1_epi32(pair)));
+                }
+                const __m256 dm = _mm256_xor_ps(
+                    _mm256_mul_ps(dmin8, _mm256_set1_ps(a->dk[(r0 + r) * nb + b])), sign);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[r]), dd[r], acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(G), dm, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+typedef void (*kq8_fn)(const uint8_t*, const kq8_block*, int64_t, const qacts*, int64_t, float*);
+#define DEFINE_KQ8(TY, R)                                                                      \
+static void kq8_##TY##_##R(const uint8_t* q, const kq8_block* blocks, int64_t K,              \
+                           const qacts* a, int64_t r0, float* out) {                          \
+    kq8_body(R, T_##TY, q, blocks, K, a, r0, out);                                            \
+}
+#define DEFINE_KQ8_R(TY)                                                                       \
+    DEFINE_KQ8(TY, 1) DEFINE_KQ8(TY, 2) DEFINE_KQ8(TY, 3) DEFINE_KQ8(TY, 4)                   \
+    static const kq8_fn KQ8_##TY[KQ8_R + 1] = {0, kq8_##TY##_1, kq8_##TY##_2, kq8_##TY##_3,    \
+                                               kq8_##TY##_4};
+DEFINE_KQ8_R(Q4_K) DEFINE_KQ8_R(Q5_K) DEFINE_KQ8_R(Q6_K)
+
+static const kq8_fn* kq8_table(int type) {
+    return type == T_Q4_K ? KQ8_Q4_K : type == T_Q5_K ? KQ8_Q5_K : KQ8_Q6_K;
+}
+
+/* Q6_K's offsets for kq8: per group g of 16 inputs of a row, 32 x the sums of xk over inputs
+ * {0, 1, 4, 5, 8, 9, 12, 13} (low int16) and {2, 3, 6, 7, 10, 11, 14, 15} (high): the words
+ * kq8's int16 sums of a group hold. |32 x 8 x 127| < 2^15. */
+static void offsets6(const int8_t* xk, int64_t K, int32_t* o6) {
+    for (int64_t g = 0; g < K / 16; ++g) {
+        const int8_t* v = xk + 16 * g;
+        int e = 0, f = 0;
+        for (int i = 0; i < 16; i += 4) {
+            e += v[i] + v[i + 1];
+            f += v[i + 2] + v[i + 3];
+        }
+        o6[g] = (int32_t)((uint32_t)(uint16_t)(int16_t)(32 * e) |
+                          (uint32_t)(uint16_t)(int16_t)(32 * f) << 16);
+    }
+}
+
+/* C (<= 7) K-quant columns of one type from n0 for rows [m0, m1), by the few-row kernels
+ * (the columns a group of 8 leaves at a part's end). */
+static void kq_rest(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                    int64_t n0, int C, int type, int64_t m0, int64_t m1, int64_t N, int64_t K,
+                    int f32) {
+    const few_kq_fn(*table)[FEW_C + 1] = few_kq_table(type);
+    float out[FEW_R * FEW_C];
+    for (int c0 = 0; c0 < C; c0 += FEW_C) {
+        const int cc = C - c0 < FEW_C ? C - c0 : FEW_C;
+        const uint8_t* rows[FEW_C];
+        for (int c = 0; c < cc; ++c) {
+            int t;
+            rows[c] = weight_row(w, n0 + c0 + c, &t);
+        }
+        for (int64_t r0 = m0; r0 < m1; r0 += FEW_R) {
+            const int R = m1 - r0 < FEW_R ? (int)(m1 - r0) : FEW_R;
+            table[R][cc](rows, K, a, r0, out);
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < cc; ++c) {
+                    const int64_t n = n0 + c0 + c;
+                    store_one(y, (r0 + r) * N + n, out[r * FEW_C + c] + (bias ? bias[n] : 0.0f),
+                              f32);
+                }
+        }
+    }
+}
+
 static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
     if (M <= FEW_ROWS) return qlinear_few_range(w, a, bias, y, M, N, K, f32, tid, nt);
     const int64_t Kp = a->Kp;
-    /* Contiguous ranges of whole column blocks per thread; rows in blocks of up to 8 MiB of
-     * int8 x, the columns decoded again per block (as the VNNI path's panels; Zen 4 forced to
-     * AVX2, the down projection at 512 rows: 256 KiB blocks 138-140 GFLOP/s, 8 MiB 153-159). */
-    const int64_t blocks = (N + MAX_C - 1) / MAX_C;
-    const int64_t n_lo = blocks * tid / nt * MAX_C;
-    int64_t n_hi = blocks * (tid + 1) / nt * MAX_C;
+    /* Contiguous ranges of whole groups of 8 columns per thread; rows in blocks of up to 8 MiB
+     * of int8 x, the columns decoded again per block (as the VNNI path's panels; Zen 4 forced
+     * to AVX2, the down projection at 512 rows: 256 KiB blocks 138-140 GFLOP/s, 8 MiB
+     * 153-159). K-quant columns go 8 of one type at a time to kq8 (the rest of a run to the
+     * few-row kernels), the others in pairs to qtile. */
+    const int64_t groups = (N + 7) / 8;
+    const int64_t n_lo = groups * tid / nt * 8;
+    int64_t n_hi = groups * (tid + 1) / nt * 8;
     n_hi = n_hi < N ? n_hi : N;
     const size_t qbytes = (size_t)MAX_C * Kp, sbytes = (size_t)MAX_C * (Kp / 16) * 4;
-    uint8_t* q = (uint8_t*)thread_scratch(qbytes + 2 * sbytes);
+    const size_t k8bytes = a->xk ? (size_t)8 * K + (size_t)(K / 256) * sizeof(kq8_block) : 0;
+    uint8_t* q = (uint8_t*)thread_scratch(qbytes + 2 * sbytes + k8bytes);
     if (!q) return n_lo < n_hi ? -2 : 0;
     float* ws = (float*)(q + qbytes);
     float* wo = (float*)(q + qbytes + sbytes);
+    uint8_t* q8 = q + qbytes + 2 * sbytes;
+    kq8_block* b8 = (kq8_block*)(q8 + 8 * K);
     int64_t mb = ((int64_t)8 << 20) / Kp;
     mb = mb < MAX_R ? MAX_R : mb / MAX_R * MAX_R;
-    float out[MAX_R * MAX_C];
+    float out[KQ8_R * 8];
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
         const int64_t m1 = m0 + mb < M ? m0 + mb : M;
-        for (int64_t n0 = n_lo; n0 < n_hi; n0 += MAX_C) {
-            const int C = n_hi - n0 < MAX_C ? (int)(n_hi - n0) : MAX_C;
-            const int shift = columns_shifted(w, n0, C);
-            if (decode_columns(w, n0, C, K, Kp, q, ws, wo, shift)) return -1;
-            /* K-quant columns take kq_tile (both at once when of one type), the rest qtile */
-            const uint8_t* raw[MAX_C];
-            int types[MAX_C], kq = 0;
-            for (int c = 0; c < C; ++c) {
-                raw[c] = weight_row(w, n0 + c, &types[c]);
-                kq += is_kq(types[c]) && a->xk;
-            }
-            const int both = kq == C && types[0] == types[C - 1];
-            for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
-                const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
-                if (!kq) {
-                    QTILES[shift][R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
-                } else if (both) {
-                    KQ_TILES[R][C](types[0], raw, q, K, Kp, a, r0, out);
+        for (int64_t n0 = n_lo; n0 < n_hi;) {
+            int type;
+            if (!weight_row(w, n0, &type)) return -1;
+            if (is_kq(type) && a->xk) {
+                int C = 1;
+                for (int t; C < 8 && n0 + C < n_hi && weight_row(w, n0 + C, &t) && t == type;)
+                    ++C;
+                if (C < 8) {
+                    kq_rest(w, a, bias, y, n0, C, type, m0, m1, N, K, f32);
                 } else {
-                    for (int c = 0; c < C; ++c) {
-                        float one[MAX_R * MAX_C];
-                        if (is_kq(types[c]))
-                            KQ_TILES[R][1](types[c], raw + c, q + c * Kp, K, Kp, a, r0, one);
-                        else
-                            QTILES[shift][R][1](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp,
-                                                q + c * Kp, ws + c * (Kp / 16), one);
-                        for (int r = 0; r < R; ++r) out[r * MAX_C + c] = one[r * MAX_C];
+                    if (kq8_decode(w, n0, type, K, q8, b8)) return -1;
+                    const kq8_fn* table = kq8_table(type);
+                    for (int64_t r0 = m0; r0 < m1; r0 += KQ8_R) {
+                        const int R = m1 - r0 < KQ8_R ? (int)(m1 - r0) : KQ8_R;
+                        table[R](q8, b8, K, a, r0, out);
+                        for (int r = 0; r < R; ++r)
+                            for (int c = 0; c < 8; ++c)
+                                store_one(y, (r0 + r) * N + n0 + c,
+                                          out[8 * r + c] + (bias ? bias[n0 + c] : 0.0f), f32);
                     }
                 }
+                n0 += C;
+                continue;
+            }
+            /* a pair from an even column, or one column after a K-quant run that ended odd;
+             * shifted as its pair (pair_shifted), as in the few-row kernels */
+            int C = 1;
+            if (n0 % 2 == 0 && n0 + 1 < n_hi) {
+                int t;
+                if (!weight_row(w, n0 + 1, &t)) return -1;
+                C = is_kq(t) && a->xk ? 1 : 2;
+            }
+            const int shift = pair_shifted(w, n0, N);
+            if (decode_columns(w, n0, C, K, Kp, q, ws, wo, shift)) return -1;
+            for (int64_t r0 = m0; r0 < m1; r0 += MAX_R) {
+                const int R = m1 - r0 < MAX_R ? (int)(m1 - r0) : MAX_R;
+                QTILES[shift][R][C](a->xq + r0 * Kp, a->dx + r0 * (Kp / 32), Kp, q, ws, out);
                 for (int r = 0; r < R; ++r)
                     for (int c = 0; c < C; ++c) {
-                        float v = out[r * MAX_C + c];
-                        if (!(kq && is_kq(types[c])))
-                            v += offset_dot(wo + c * (Kp / 16), a->xs + (r0 + r) * (Kp / 16),
-                                            Kp / 16);
+                        const float v = out[r * MAX_C + c] +
+                                        offset_dot(wo + c * (Kp / 16),
+                                                   a->xs + (r0 + r) * (Kp / 16), Kp / 16);
                         store_one(y, (r0 + r) * N + n0 + c, v + (bias ? bias[n0 + c] : 0.0f),
                                   f32);
                     }
             }
+            n0 += C;
         }
     }
     return 0;
@@ -2562,9 +2823,17 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     int8_t* xk = NULL;
     float* dk = NULL;
     int16_t *sk = NULL, *bk = NULL;
+    int32_t* o6 = NULL;
 #ifdef KVG_Q8K
-    int kq = 0;
-    for (int s = 0; s < w->nsegs; ++s) kq |= is_kq(w->segs[s].type);
+    int kq = 0, six = 0;
+    for (int s = 0; s < w->nsegs; ++s) {
+        kq |= is_kq(w->segs[s].type);
+        six |= w->segs[s].type == T_Q6_K;
+    }
+    if (six && M > FEW_ROWS) { /* kq8's Q6_K offsets */
+        o6 = (int32_t*)malloc((size_t)M * (K / 16) * sizeof(int32_t));
+        ok = ok && o6;
+    }
     if (kq) {
         xk = (int8_t*)malloc((size_t)M * K);
         dk = (float*)malloc((size_t)M * (K / 256) * sizeof(float));
@@ -2583,9 +2852,10 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
             if (xk)
                 quantize_x256(x, io_bf16, m, K, xk + (int64_t)m * K, dk + (int64_t)m * (K / 256),
                               sk + (int64_t)m * (K / 256) * 32, bk + (int64_t)m * (K / 16));
+            if (o6) offsets6(xk + (int64_t)m * K, K, o6 + (int64_t)m * (K / 16));
 #endif
         }
-        const qacts acts = {xq, dx, xs, xs32, Kp, xk, dk, sk, bk};
+        const qacts acts = {xq, dx, xs, xs32, Kp, xk, dk, sk, bk, o6};
         const int f32 = out_f32 || !io_bf16;
         #pragma omp parallel
         {
@@ -2609,6 +2879,7 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
     free(dk);
     free(sk);
     free(bk);
+    free(o6);
     return failed;
 }
 #else
