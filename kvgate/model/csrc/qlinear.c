@@ -2494,6 +2494,10 @@ static int qlinear_few_range(const kvg_qweight* w, const qacts* a, const float* 
  * threads, Qwen 1.5B shapes (bench/qlinears.py): Q4_K 83 -> 166 GFLOP/s at 32 rows, 192 at
  * 128; Q6_K 89 -> 163, 192. */
 #define KQ8_R 4
+/* From 8 rows a layer of K-quants only takes kq8 (the few-row kernels below that): Zen 2, 2
+ * threads, Qwen 1.5B shapes, GFLOP/s few rows -> kq8: Q4_K 4 rows 98 -> 74, 6 rows 102 -> 97,
+ * 8 rows 104 -> 112; Q6_K 8 rows 89 -> 107. */
+#define KQ8_MIN_ROWS 8
 
 /* One block of 256 inputs of 8 columns: int16 multipliers for vpmaddwd against the int16
  * words (each column's twice: [c0 c0 c1 c1 .. c7 c7]), float scales per column. */
@@ -2725,9 +2729,17 @@ static void kq_rest(const kvg_qweight* w, const qacts* a, const float* bias, voi
     }
 }
 
+/* 1 where every part of W is a K-quant. */
+static int all_kq(const kvg_qweight* w) {
+    for (int s = 0; s < w->nsegs; ++s)
+        if (!is_kq(w->segs[s].type)) return 0;
+    return 1;
+}
+
 static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
-    if (M <= FEW_ROWS) return qlinear_few_range(w, a, bias, y, M, N, K, f32, tid, nt);
+    if (M <= FEW_ROWS && !(M >= KQ8_MIN_ROWS && a->xk && all_kq(w)))
+        return qlinear_few_range(w, a, bias, y, M, N, K, f32, tid, nt);
     const int64_t Kp = a->Kp;
     /* Contiguous ranges of whole groups of 8 columns per thread; rows in blocks of up to 8 MiB
      * of int8 x, the columns decoded again per block (as the VNNI path's panels; Zen 4 forced
@@ -2830,7 +2842,7 @@ int kvg_qlinear(const void* x, const void* weight, const float* unused, const vo
         kq |= is_kq(w->segs[s].type);
         six |= w->segs[s].type == T_Q6_K;
     }
-    if (six && M > FEW_ROWS) { /* kq8's Q6_K offsets */
+    if (six && M >= KQ8_MIN_ROWS) { /* kq8's Q6_K offsets */
         o6 = (int32_t*)malloc((size_t)M * (K / 16) * sizeof(int32_t));
         ok = ok && o6;
     }
