@@ -65,6 +65,58 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: The EngineConfig setting of each SpeculativeConfig field it sets.
+_SPEC_PARAMS = {
+    "num_tokens": "num_speculative_tokens",
+    "ngram_min": "speculative_ngram_min",
+    "ngram_max": "speculative_ngram_max",
+}
+#: Methods ``--speculative`` accepts.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_tokens``: most draft tokens verified per step and request (k);
+    ``ngram_min``/``ngram_max``: the n-gram sizes tried, longest first."""
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    #: Drafts a request's acceptance is judged over, and the rate below which it pauses.
+    window: int = 4
+    min_acceptance: float = 0.3
+    #: Decode steps a low-acceptance request goes without drafts (doubling per pause, up to
+    #: ``max_pause_steps``; back to ``pause_steps`` after a window at or above the rate).
+    pause_steps: int = 16
+    max_pause_steps: int = 512
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidConfig(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+                param="speculative",
+            )
+        for name in ("num_tokens", "ngram_min", "ngram_max", "window", "pause_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfig(
+                    f"speculative {name} must be a positive integer, got {value!r}",
+                    param=_SPEC_PARAMS.get(name, f"speculative_{name}"),
+                )
+        if self.ngram_min > self.ngram_max:
+            raise InvalidConfig(
+                f"speculative ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})",
+                param="speculative_ngram_min",
+            )
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise InvalidConfig(
+                f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}",
+                param="speculative_min_acceptance",
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build and run one engine. Reads no files: the loader does that.
@@ -103,6 +155,22 @@ class EngineConfig:
     #: Use the native CPU kernels (built on first use with the system C compiler) where they
     #: are faster; False, or no compiler, keeps everything on PyTorch ops.
     native_kernels: bool = True
+    #: Speculative decoding (``engine/drafter.py``): None, or a method of
+    #: ``SPECULATIVE_METHODS`` with the draft length and the n-gram sizes it tries.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig(
+            method=self.speculative,
+            num_tokens=self.num_speculative_tokens,
+            ngram_min=self.speculative_ngram_min,
+            ngram_max=self.speculative_ngram_max,
+        )
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -142,3 +210,4 @@ class EngineConfig:
             )
         # Parse once now so a bad value fails at construction, not at engine start.
         parse_memory(self.kv_cache_memory, 1 << 30)
+        self.speculative_config()

@@ -54,6 +54,10 @@ class SamplingParams:
     final_only: bool = False
     #: What the output must match (response_format, tools); None: unconstrained.
     grammar: Grammar | None = None
+    #: Speculative decoding for this request (``engine/drafter.py``): None follows the
+    #: server (on where it was started with ``--speculative``), False opts out, True asks
+    #: for it (refused where the server has none).
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list for stop, as the OpenAI API does.

@@ -273,6 +273,27 @@ class KVCacheManager:
                     self.pool.cache(block, self._key(request.block_hashes[i], g))
             self._num_cached[rid][g] = max(start, min(num_full, len(table)))
 
+    def trim(self, request: Request) -> int:
+        """Give back the blocks past the request's known tokens: those that held only the
+        rejected part of a speculative draft (never cached: they hold no computed token).
+        Returns how many went back."""
+        rid = request.request_id
+        tables = self.req_blocks.get(rid)
+        if tables is None:
+            return 0
+        keep = cdiv(request.num_tokens, self.block_size)
+        tail: list[KVBlock] = []
+        for g, table in enumerate(tables):
+            if len(table) > keep:
+                tail += [b for b in reversed(table[keep:]) if b is not None]
+                del table[keep:]
+                self._num_cached[rid][g] = min(self._num_cached[rid][g], keep)
+        if tail:
+            self.pool.release(tail)
+            self._num_held[rid] -= len(tail)
+            self._uncount(request.tenant, len(tail))
+        return len(tail)
+
     def _drop_out_of_window(self, request: Request) -> None:
         rid = request.request_id
         tables = self.req_blocks.get(rid)

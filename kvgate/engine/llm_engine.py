@@ -11,6 +11,7 @@ import torch
 
 from kvgate.config import EngineConfig, available_memory_bytes, parse_memory
 from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.drafter import NgramDrafter
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
@@ -68,6 +69,8 @@ class _OutputState:
 
     detokenizer: IncrementalDetokenizer
     num_reported_tokens: int = 0
+    #: Output tokens already given to the detokenizer and counted in the step stats.
+    num_seen: int = 0
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -176,6 +179,9 @@ class LLMEngine:
             layout=self.kv_layout,
             roles_apart=self.model.prompt_tiles,
         )
+        spec = config.speculative_config()
+        #: Drafts for speculative decoding (``--speculative``); None: no request speculates.
+        self.drafter = NgramDrafter(spec) if spec is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -185,6 +191,7 @@ class LLMEngine:
             ),
             self.kv_cache,
             policy,
+            drafter=self.drafter,
         )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -199,6 +206,7 @@ class LLMEngine:
             self.max_model_len,
             self.grammars,
             self.eos_token_ids,
+            speculative=self.drafter is not None,
         )
         self.runner = ModelRunner(
             self.model, kv_caches, config.block_size, grammars=self.grammars, layout=self.kv_layout
@@ -347,7 +355,7 @@ class LLMEngine:
         for request in refused:
             self._aborted.append(self._final_output(request))
         self.last_batch_size = stats.batch_size = len(sched.sequences)
-        decodes = sum(1 for s in sched.sequences if s.num_tokens == 1)
+        decodes = sum(1 for s in sched.sequences if s.is_decode)
         if sched.sequences:
             stats.phase = (
                 "decode"
@@ -358,9 +366,15 @@ class LLMEngine:
             )
         self._in_step, self._urgent_ran = True, False
         try:
-            return self._run(sched, stats, t0, self.between_layers)
+            outputs = self._run(sched, stats, t0, self.between_layers)
         finally:
             self._in_step = False
+        if self.drafter is not None and stats.phase == "decode" and not self._urgent_ran:
+            # What a decode step of this many rows costs (drafts are verified only where
+            # their rows pay: ``NgramDrafter.worth``); a step an urgent prefill ran inside
+            # says nothing about it.
+            self.drafter.costs.observe(sched.num_batched_tokens, stats.step_seconds)
+        return outputs
 
     def step_urgent(self) -> list[RequestOutput]:
         """Between two layers of the step in flight: run the prefill of a request the policy
@@ -398,6 +412,11 @@ class LLMEngine:
         else:
             touched = self.scheduler.update(sched, runner_out)
             self.num_steps += 1
+            for seq in sched.sequences:
+                if seq.num_draft:
+                    stats.num_drafts += 1
+                    stats.num_draft_tokens += seq.num_draft
+                    stats.num_accepted_tokens += len(runner_out.accepted.get(seq.request_id, ()))
             outputs = self._collect(touched, runner_out, stats)
         stats.step_seconds = time.monotonic() - t0
         self.ledger.record(stats, self.kv_cache.tenant_blocks)
@@ -433,24 +452,10 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         now = time.monotonic()
         for request in touched:
-            self._record_token(request, now, stats)
             state = self._outputs[request.request_id]
-            lp = runner_out.logprobs.get(request.request_id)
-            if lp is not None:
-                state.pending_logprobs.append(lp)
-            try:
-                state.detokenizer.append(request.output_token_ids[-1])
-            except Exception as exc:
-                log.exception("detokenizing request %s failed", request.request_id)
-                request.error = f"detokenizer failed: {type(exc).__name__}: {exc}"
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
-            else:
-                stop = state.detokenizer.matched_stop
-                if stop is not None and not request.is_finished:
-                    request.stop_reason = stop
-                    self.scheduler.finish_requests(
-                        [request.request_id], RequestStatus.FINISHED_STOPPED
-                    )
+            self._detokenize(request, state, runner_out)
+            self._record_tokens(request, now, stats, request.num_output_tokens - state.num_seen)
+            state.num_seen = request.num_output_tokens
             if request.is_finished:
                 outputs.append(self._final_output(request))
             elif not request.params.final_only:
@@ -458,11 +463,37 @@ class LLMEngine:
         self._record_finished(outputs, stats)
         return outputs
 
+    def _detokenize(self, request: Request, state: _OutputState, runner_out: RunnerOutput) -> None:
+        """Feed the request's new tokens (several after an accepted draft) to its
+        detokenizer one by one; a stop string ends the request at the token that completed
+        it, and the tokens after it are dropped (it never produced them)."""
+        rid = request.request_id
+        new = request.output_token_ids[state.num_seen :]
+        lps = (*runner_out.accepted_logprobs.get(rid, ()), runner_out.logprobs.get(rid))
+        lps = lps[: len(new)] if len(new) <= len(lps) else (None,) * len(new)
+        for i, (token, lp) in enumerate(zip(new, lps, strict=True)):
+            if lp is not None:
+                state.pending_logprobs.append(lp)
+            try:
+                state.detokenizer.append(token)
+            except Exception as exc:
+                log.exception("detokenizing request %s failed", rid)
+                request.error = f"detokenizer failed: {type(exc).__name__}: {exc}"
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                return
+            stop = state.detokenizer.matched_stop
+            if stop is not None and not request.is_finished:
+                request.truncate_output(state.num_seen + i + 1)
+                request.stop_reason = stop
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                return
+
     @staticmethod
-    def _record_token(request: Request, now: float, stats: IterationStats) -> None:
-        """A new token for ``request`` arrived at ``now``: TTFT or an inter-token gap."""
-        stats.num_generation_tokens += 1
-        stats.generation_tokens_by_tenant[request.tenant] += 1
+    def _record_tokens(request: Request, now: float, stats: IterationStats, n: int) -> None:
+        """``n`` new tokens for ``request`` arrived at ``now`` (more than one after an
+        accepted draft): TTFT, or one inter-token gap for the step."""
+        stats.num_generation_tokens += n
+        stats.generation_tokens_by_tenant[request.tenant] += n
         if request.first_token_time is None:
             request.first_token_time = now
             stats.time_to_first_tokens.append(now - request.arrival_time)

@@ -28,6 +28,10 @@ class ScheduledSequence:
     (``KVLayout``), -1 where a sliding group gave a block back. ``sample`` is True when this
     step reaches the end of the known tokens, so its last logits give the next token; a
     prefill chunk that stops short of the end samples nothing.
+
+    ``num_draft``: the last ``num_draft`` of ``token_ids`` are a speculative draft
+    (``engine/drafter.py``) after the request's one known token: every row is sampled, and
+    the runner keeps the draft tokens the model would have produced itself.
     """
 
     request_id: str
@@ -35,6 +39,7 @@ class ScheduledSequence:
     start_pos: int
     tables: tuple[tuple[int, ...], ...]
     sample: bool
+    num_draft: int = 0
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -44,6 +49,15 @@ class ScheduledSequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft :]
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (and maybe a draft): each row attends as a decode would."""
+        return self.num_tokens - self.num_draft == 1
 
     @property
     def context_len(self) -> int:
@@ -81,13 +95,25 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What one step produced: a new token for every sequence that sampled."""
+    """What one step produced: a new token for every sequence that sampled, after the
+    draft tokens the model accepted (speculating sequences)."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: Draft tokens accepted before the sampled token (a prefix of the draft; absent: none).
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Their logprobs, where the request asked for logprobs.
+    accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     #: Constrained requests whose grammar is complete with their new token (nothing may
     #: follow): they end, finish reason "stop".
     grammar_complete: frozenset[str] = field(default_factory=frozenset)
     #: Constrained requests whose grammar could not go on (a dead end, or a token it did not
     #: allow): they end with an error, never claiming valid output. Id -> the reason.
     grammar_failed: dict[str, str] = field(default_factory=dict)
+
+    def new_tokens(self, request_id: str) -> tuple[int, ...]:
+        """Every token ``request_id`` got in this step, in order (none: it sampled nothing)."""
+        token = self.sampled_token_ids.get(request_id)
+        if token is None:
+            return ()
+        return (*self.accepted.get(request_id, ()), token)

@@ -124,6 +124,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the
+        request inside a step's accepted draft: the tokens after it were never produced)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop rules (EOS, stop ids, max_tokens, context end) after a new token.
 

@@ -16,7 +16,8 @@ from kvgate.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class RequestFactory:
     """``matchers``: give each constrained request its grammar's matcher now (False: the
-    engine's process makes it on arrival; a matcher does not cross processes)."""
+    engine's process makes it on arrival; a matcher does not cross processes);
+    ``speculative``: the engine drafts tokens (a request may then ask for it)."""
 
     tokenizer: Tokenizer
     vocab_size: int
@@ -24,6 +25,7 @@ class RequestFactory:
     grammars: GrammarCompiler
     eos_token_ids: frozenset[int]
     matchers: bool = True
+    speculative: bool = False
 
     def make(
         self,
@@ -52,6 +54,12 @@ class RequestFactory:
                 )
         if not token_ids:
             raise EmptyPrompt()
+        if params.speculative and not self.speculative:
+            raise InvalidRequest(
+                "speculative: this server does not speculate (start it with --speculative "
+                "ngram), so the request cannot ask for it",
+                param="speculative",
+            )
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLong(len(token_ids), params.max_tokens, self.max_model_len)
         # A 400 naming the field if it does not compile; cached once compiled (the server

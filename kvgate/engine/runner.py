@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import llguidance
+import numpy as np
 import torch
 
-from kvgate.engine.messages import RunnerOutput, ScheduledSequence, SchedulerOutput
+from kvgate.engine.messages import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kvgate.engine.sampler import Sampler, SamplingState
+from kvgate.engine.verify import Drafted, DraftVerifier
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.kv_layout import KVGroup, KVLayout
 from kvgate.model.protocol import Model
@@ -66,6 +74,28 @@ class _RequestState:
     matcher: llguidance.LLMatcher | None = None
 
 
+@dataclass
+class _StepTokens:
+    """A step's ``RunnerOutput`` while it is being filled in."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    grammar_complete: set[str] = field(default_factory=set)
+    grammar_failed: dict[str, str] = field(default_factory=dict)
+
+    def output(self) -> RunnerOutput:
+        return RunnerOutput(
+            sampled_token_ids=self.sampled_token_ids,
+            logprobs=self.logprobs,
+            accepted=self.accepted,
+            accepted_logprobs=self.accepted_logprobs,
+            grammar_complete=frozenset(self.grammar_complete),
+            grammar_failed=self.grammar_failed,
+        )
+
+
 @dataclass(frozen=True)
 class FlatBatch:
     input_ids: torch.Tensor  # [T]
@@ -78,6 +108,8 @@ class FlatBatch:
     #: The prompt rows, where the model's linears depend on it (``Model.prompt_tiles``):
     #: rows at positions below their request's prompt length. None: none, or it does not.
     roles: RowRoles | None = None
+    #: The speculating sequences' drafts (every row of theirs is in ``sample_rows``).
+    drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -113,28 +145,53 @@ class ModelRunner:
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
-            gen = None
-            if new.params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(new.params.seed)
-            state = _RequestState(new.prompt_token_ids, new.params, gen)
-            if new.matcher is not None:
-                state.matcher = new.matcher
-            elif new.params.grammar is not None:  # made without its matcher: build it here
-                if self.grammars is None:
-                    raise RuntimeError("a constrained request reached a runner without grammars")
-                state.matcher = self.grammars.matcher(new.params.grammar)
-            self.states[new.request_id] = state
+            self._remember(new)
         if out.is_empty:
             return RunnerOutput(sampled_token_ids={})
 
         batch = self.build_batch(out.sequences)
-        # Constrained rows' masks are computed on llguidance's threads during the forward.
+        # Constrained rows' masks are computed on llguidance's threads during the forward
+        # (a speculating request's rows one by one after it: ``verify.py``).
+        plain = [(i, rid) for i, rid in enumerate(batch.sample_ids) if rid not in batch.drafts]
         guided = [
             (row, matcher)
-            for row, rid in enumerate(batch.sample_ids)
+            for row, (_, rid) in enumerate(plain)
             if (matcher := self.states[rid].matcher) is not None
         ]
         masks = self._mask_builder().start([m for _, m in guided]) if guided else None
+        hidden = self._forward(batch, between_layers)
+        if not batch.sample_ids:
+            return RunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        result = _StepTokens()
+        if plain:
+            rows = logits
+            if batch.drafts:
+                index = torch.tensor([i for i, _ in plain], dtype=torch.int64)
+                rows = logits.index_select(0, index.to(logits.device))
+            allowed = None
+            if masks is not None:
+                allowed = ([row for row, _ in guided], masks.result())
+            self._sample(rows, [rid for _, rid in plain], allowed, result)
+        if batch.drafts:
+            self._verify(logits, batch, result)
+        return result.output()
+
+    def _remember(self, new: NewRequestData) -> None:
+        gen = None
+        if new.params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(new.params.seed)
+        state = _RequestState(new.prompt_token_ids, new.params, gen)
+        if new.matcher is not None:
+            state.matcher = new.matcher
+        elif new.params.grammar is not None:  # made without its matcher: build it here
+            if self.grammars is None:
+                raise RuntimeError("a constrained request reached a runner without grammars")
+            state.matcher = self.grammars.matcher(new.params.grammar)
+        self.states[new.request_id] = state
+
+    def _forward(self, batch: FlatBatch, between_layers: Callable[[], None] | None) -> torch.Tensor:
+        """The model's final hidden states [T, H], pausing between layers for the hook."""
         layers = self.model.stepwise(
             batch.input_ids,
             batch.positions,
@@ -149,43 +206,62 @@ class ModelRunner:
                     next(layers)
                 except StopIteration as done:
                     hidden: torch.Tensor = done.value
-                    break
+                    return hidden
                 assert between_layers is not None
                 between_layers()
         finally:
             layers.close()  # a hook that raised leaves no half-run forward behind
-        if not batch.sample_ids:
-            return RunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
-        sampling = [self._sampling_state(rid) for rid in batch.sample_ids]
-        allowed = None
-        if masks is not None:
-            allowed = ([row for row, _ in guided], masks.result())
-        result = self.sampler(logits, sampling, allowed)
-        sampled: dict[str, int] = {}
-        logprobs = {}
-        complete: set[str] = set()
-        failed: dict[str, str] = {}
-        for i, rid in enumerate(batch.sample_ids):
-            token = result.token_ids[i]
-            sampled[rid] = token
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        ids: list[str],
+        allowed: tuple[list[int], np.ndarray] | None,
+        result: _StepTokens,
+    ) -> None:
+        """One token for each of ``ids`` (one row of ``logits`` each), into ``result``."""
+        sampling = [self._sampling_state(rid) for rid in ids]
+        sampled = self.sampler(logits, sampling, allowed)
+        for i, rid in enumerate(ids):
+            token = sampled.token_ids[i]
+            result.sampled_token_ids[rid] = token
             state = self.states[rid]
             state.output_token_ids.append(token)
             if state.matcher is not None:
                 state.matcher.consume_token(token)
                 if state.matcher.is_error():  # never expected under the mask
-                    failed[rid] = state.matcher.get_error()
+                    result.grammar_failed[rid] = state.matcher.get_error()
                 elif state.matcher.is_stopped():  # complete: nothing may follow
-                    complete.add(rid)
-            lp = result.logprobs[i]
+                    result.grammar_complete.add(rid)
+            lp = sampled.logprobs[i]
             if lp is not None:
-                logprobs[rid] = lp
-        return RunnerOutput(
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            grammar_complete=frozenset(complete),
-            grammar_failed=failed,
-        )
+                result.logprobs[rid] = lp
+
+    def _verify(self, logits: torch.Tensor, batch: FlatBatch, result: _StepTokens) -> None:
+        """The speculating requests' tokens: the draft tokens the model accepts, then one
+        of its own (``verify.py``), into ``result``."""
+        drafted = []
+        for rid, draft in batch.drafts.items():
+            s = self.states[rid]
+            drafted.append(
+                Drafted(
+                    rid, draft, batch.sample_ids.index(rid), s.params, s.generator,
+                    s.prompt_token_ids, s.output_token_ids, s.matcher,
+                )
+            )  # fmt: skip
+        verifier = DraftVerifier(self.sampler, self._mask_builder)
+        for rid, got in verifier(logits, drafted).items():
+            *accepted, result.sampled_token_ids[rid] = got.tokens
+            if accepted:
+                result.accepted[rid] = tuple(accepted)
+            *lps, last = got.logprobs
+            if last is not None:
+                result.logprobs[rid] = last
+                result.accepted_logprobs[rid] = tuple(lp for lp in lps if lp is not None)
+            if got.failed is not None:
+                result.grammar_failed[rid] = got.failed
+            elif got.complete:
+                result.grammar_complete.add(rid)
 
     def _mask_builder(self) -> MaskBuilder:
         if self._masks is None:
@@ -203,21 +279,27 @@ class ModelRunner:
         )
 
     def build_batch(self, sequences: tuple[ScheduledSequence, ...]) -> FlatBatch:
-        """Decodes first (one row each, batched attention), then prefill chunks."""
-        decodes = [s for s in sequences if s.num_tokens == 1]
-        prefills = [s for s in sequences if s.num_tokens > 1]
+        """Decodes first (one row each, batched attention; a speculating sequence's rows
+        are decodes too, each at its own position), then prefill chunks."""
+        decodes = [s for s in sequences if s.is_decode]
+        prefills = [s for s in sequences if not s.is_decode]
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         is_prompt: list[bool] = []
+        drafts: dict[str, tuple[int, ...]] = {}
         for seq in decodes + prefills:
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.context_len)
             if self.model.prompt_tiles:
                 prompt_len = len(self.states[seq.request_id].prompt_token_ids)
                 is_prompt += [p < prompt_len for p in range(seq.start_pos, seq.context_len)]
-            if seq.sample:
+            if seq.num_draft:
+                drafts[seq.request_id] = seq.draft
+                sample_rows += range(len(input_ids) - seq.num_tokens, len(input_ids))
+                sample_ids += [seq.request_id] * seq.num_tokens
+            elif seq.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(seq.request_id)
         dev = self.device
@@ -232,6 +314,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_ids=tuple(sample_ids),
             roles=RowRoles.of(is_prompt),
+            drafts=drafts,
         )
 
     def _group_meta(
@@ -251,18 +334,21 @@ class ModelRunner:
                 block = table[pos // bs]
                 assert block >= 0, (seq.request_id, g, pos)  # written blocks are held
                 slots.append(block * bs + pos % bs)
-        num_dec = len(decodes)
-        starts = [group.first_needed_block(s.start_pos, bs) for s in decodes]
+        # One decode row per position: a draft's row j attends to the context up to and
+        # including its own token, as the decode of that position would.
+        rows = [(s.tables[g], pos) for s in decodes for pos in range(s.start_pos, s.context_len)]
+        num_dec = len(rows)
+        starts = [group.first_needed_block(pos, bs) for _, pos in rows]
         if num_dec:
-            ends = [-(-s.context_len // bs) for s in decodes]
+            ends = [-(-(pos + 1) // bs) for _, pos in rows]
             max_blocks = max(e - f for e, f in zip(ends, starts, strict=True))
             flat_tables: list[int] = []
-            for s, first in zip(decodes, starts, strict=True):
-                table = s.tables[g][first : -(-s.context_len // bs)]
+            for (table, _), first, end in zip(rows, starts, ends, strict=True):
+                part = table[first:end]
                 # Padding past decode_lens: never read.
-                flat_tables += table + (0,) * (max_blocks - len(table))
+                flat_tables += part + (0,) * (max_blocks - len(part))
             decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
-            lens = torch.tensor([s.context_len for s in decodes], dtype=torch.int64, device=dev)
+            lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int64, device=dev)
         else:
             decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
             lens = torch.empty((0,), dtype=torch.int64, device=dev)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvgate.engine.drafter import NgramDrafter
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import (
     NewRequestData,
@@ -62,6 +63,9 @@ class _Draft:
     blocked: set[str] = field(default_factory=set)
     #: Running requests preempted others to grow in this step (the pool is tight).
     grew: bool = False
+    #: Draft rows taken so far in this step, and the draft tokens they are expected to add.
+    draft_rows: int = 0
+    draft_gain: float = 0.0
 
     def take(self, seq: ScheduledSequence) -> None:
         self.scheduled[seq.request_id] = seq
@@ -77,8 +81,11 @@ class Scheduler:
         kv_cache: KVCacheManager,
         policy: SchedulingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafter: NgramDrafter | None = None,
     ) -> None:
+        """``drafter``: drafts for speculative decoding (None: no request speculates)."""
         self.config = config
+        self.drafter = drafter
         self.kv_cache = kv_cache
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
         self.clock = clock
@@ -160,6 +167,8 @@ class Scheduler:
     def _end(self, request: Request, status: RequestStatus) -> None:
         self.num_finished += 1
         self.spare.discard(request.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
@@ -205,6 +214,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING or request.request_id in step.scheduled:
                 continue  # preempted earlier in this step, or already served
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if self._speculate(step, request, num_new):
+                continue
             while True:
                 extra = kv.num_blocks_to_add(request, num_new)
                 need = self._need_of(request, extra)
@@ -217,6 +228,37 @@ class Scheduler:
                 step.grew = True
                 if victim is request:
                     break
+
+    def _speculate(self, step: _Draft, request: Request, num_new: int) -> bool:
+        """Schedule a decode with a draft after its token, where the drafter has one and its
+        blocks are free without preempting anyone (speculation never costs another request
+        its place). False: schedule it plainly."""
+        decoding = request.num_tokens - request.num_computed_tokens == 1
+        if self.drafter is None or not decoding or num_new != 1 or not request.output_token_ids:
+            return False
+        room = min(
+            step.budget - 1,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        draft = self.drafter.propose(request, room)
+        # Worth its rows? Judged against a step of one row per running request plus the
+        # drafts taken so far (``NgramDrafter.worth``).
+        rows = len(self.running) + step.draft_rows
+        tokens = len(self.running) + step.draft_gain
+        draft = draft[: self.drafter.worth(request.request_id, len(draft), rows, tokens)]
+        if not draft:
+            return False
+        num = 1 + len(draft)
+        kv = self.kv_cache
+        if self._need_of(request, kv.num_blocks_to_add(request, num)) is not None:
+            return False
+        if not kv.allocate_slots(request, num):
+            return False
+        step.take(self._sequence(request, 1, tuple(draft)))
+        step.draft_rows += len(draft)
+        step.draft_gain += self.drafter.expected(request.request_id, len(draft))
+        return True
 
     def _consider(self, step: _Draft, candidate: Request, plan: StepPlan) -> bool:
         """Admit the waiting ``candidate`` if it fits; else preempt for it, or leave its tenant
@@ -376,17 +418,20 @@ class Scheduler:
                 )
             )
 
-    def _sequence(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _sequence(
+        self, request: Request, num_new: int, draft: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
         start = request.num_computed_tokens
         end = start + num_new
         if start < request.num_prompt_tokens:
             request.prefill_chunks.append((self.clock(), num_new))
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=(*request.all_token_ids[start:end], *draft),
             start_pos=start,
             tables=self.kv_cache.block_ids(request.request_id),
             sample=end == request.num_tokens,
+            num_draft=len(draft),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -399,7 +444,8 @@ class Scheduler:
         self.policy.requeue(request)
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, end requests that hit a token stop.
+        """Advance computed counts, append sampled tokens (after a speculating sequence's
+        accepted draft tokens), end requests that hit a token stop.
 
         Returns the requests that received a token this step (finished ones included).
         """
@@ -408,23 +454,45 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended or preempted after being scheduled
-            request.num_computed_tokens += seq.num_tokens
+            # The draft's rows are computed only as far as the model accepted them.
+            request.num_computed_tokens += seq.num_tokens - seq.num_draft
+            tokens = runner_output.new_tokens(seq.request_id)
+            status = self._append(request, tokens, runner_output) if tokens else None
             self.kv_cache.commit(request)
-            token = runner_output.sampled_token_ids.get(seq.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            touched.append(request)
-            failed = runner_output.grammar_failed.get(seq.request_id)
-            if failed is not None:
-                request.error = f"{GRAMMAR_FAILED}{failed}"
-                status: RequestStatus | None = RequestStatus.FINISHED_ERROR
-            elif seq.request_id in runner_output.grammar_complete:
-                status = RequestStatus.FINISHED_STOPPED
-            else:
-                status = request.check_stop(self.config.max_model_len)
+            if seq.num_draft:
+                self.kv_cache.trim(request)
+                if self.drafter is not None:
+                    accepted = len(runner_output.accepted.get(seq.request_id, ()))
+                    self.drafter.record(seq.request_id, seq.num_draft, accepted)
+            if tokens:
+                touched.append(request)
             if status is not None:
                 self.requests.pop(request.request_id)
                 self.running.remove(request)
                 self._end(request, status)
         return touched
+
+    def _append(
+        self, request: Request, tokens: tuple[int, ...], runner_output: RunnerOutput
+    ) -> RequestStatus | None:
+        """Append ``tokens`` one by one, stopping at the first that ends the request (the
+        rest of an accepted draft is dropped: the request never produced it). Every token
+        but the first is an accepted draft token whose KV the step wrote: it counts as
+        computed. Returns the status that ends the request, if one does."""
+        rid = request.request_id
+        for i, token in enumerate(tokens):
+            if i:
+                request.num_computed_tokens += 1
+            request.append_output_token(token)
+            status: RequestStatus | None = None
+            if i == len(tokens) - 1:  # the grammar's verdicts are on the last token
+                failed = runner_output.grammar_failed.get(rid)
+                if failed is not None:
+                    request.error = f"{GRAMMAR_FAILED}{failed}"
+                    return RequestStatus.FINISHED_ERROR
+                if rid in runner_output.grammar_complete:
+                    return RequestStatus.FINISHED_STOPPED
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                return status
+        return None

@@ -87,6 +87,11 @@ class IterationStats:
     #: Ran between two layers of another step (``LLMEngine.step_urgent``): its wall time is
     #: also inside that step's ``step_seconds``.
     inside_step: bool = False
+    #: Speculative decoding (``engine/drafter.py``): drafts verified in the step, their
+    #: tokens, and the draft tokens the model accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     prompt_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     generation_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     time_to_first_tokens: list[float] = field(default_factory=list)

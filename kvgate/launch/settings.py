@@ -21,6 +21,7 @@ from typing import Any
 from kvgate.config import (
     DEFAULT_MODEL,
     GGUF_BLOCKS,
+    SPECULATIVE_METHODS,
     EngineConfig,
     available_memory_bytes,
     parse_memory,
@@ -116,6 +117,32 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         action="store_true",
         help="stay on PyTorch ops (no C kernels built at first use)",
     )
+    g.add_argument(
+        "--speculative",
+        default=None,
+        choices=list(SPECULATIVE_METHODS),
+        help="speculative decoding: ngram drafts tokens by looking the last few up in the "
+        "request's own prompt and output, and the model verifies them in one step (exact: "
+        "the same tokens as without it); a request opts out with speculative: false",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="most draft tokens verified per request and step",
+    )
+    g.add_argument(
+        "--speculative-ngram-min",
+        type=int,
+        default=2,
+        help="shortest n-gram of the request's last tokens looked up (longest first)",
+    )
+    g.add_argument(
+        "--speculative-ngram-max",
+        type=int,
+        default=4,
+        help="longest n-gram of the request's last tokens looked up",
+    )
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -137,6 +164,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         num_threads=a.threads,
         native_kernels=not a.no_native_kernels,
+        speculative=a.speculative,
+        num_speculative_tokens=a.num_speculative_tokens,
+        speculative_ngram_min=a.speculative_ngram_min,
+        speculative_ngram_max=a.speculative_ngram_max,
     )
 
 
@@ -363,7 +394,8 @@ class ModelToServe:
 _PER_MODEL = frozenset({
     "dtype", "quantization", "gguf_blocks", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "num_spare_seqs", "block_size", "enable_prefix_caching",
-    "native_kernels",
+    "native_kernels", "speculative", "num_speculative_tokens", "speculative_ngram_min",
+    "speculative_ngram_max",
 })  # fmt: skip
 
 

@@ -52,6 +52,7 @@ def sampling_params(
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
         final_only=not body.stream,
         grammar=grammar,
+        speculative=body.speculative,
     )
 
 

@@ -297,6 +297,14 @@ class PrometheusStatsListener:
         self.batch_size = hist("kvgate:batch_size", "Sequences in one engine step.", TOKEN_BUCKETS)
         self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that began.")
         self.generation_tokens = count("vllm:generation_tokens", "Tokens generated.")
+        # Speculative decoding, by vLLM's names: acceptance rate = accepted / draft tokens.
+        self.spec_drafts = count("vllm:spec_decode_num_drafts", "Speculative drafts verified.")
+        self.spec_draft_tokens = count(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted_tokens = count(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens the model accepted."
+        )
         self.success = count(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -316,6 +324,10 @@ class PrometheusStatsListener:
             self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.labels(m).inc(stats.num_generation_tokens)
+        if stats.num_drafts:
+            self.spec_drafts.labels(m).inc(stats.num_drafts)
+            self.spec_draft_tokens.labels(m).inc(stats.num_draft_tokens)
+            self.spec_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
         for ttft in stats.time_to_first_tokens:
             self.ttft.labels(m).observe(ttft)
         for itl in stats.inter_token_latencies:

@@ -130,6 +130,9 @@ class _SamplingFields(_Body):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     #: What the output must match (constrained decoding; ``kvgate/structured``).
     response_format: ResponseFormat | None = None
+    #: Speculative decoding (kvgate): false opts this request out; true asks for it (a 400
+    #: where the server was started without ``--speculative``); absent: the server's.
+    speculative: bool | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
