@@ -71,6 +71,7 @@ class RemoteEngine:
             self.grammars,
             info.eos_token_ids,
             matchers=False,
+            speculative=info.config.speculative is not None,
         )
         #: Validate and tokenize a request (``RequestFactory.make``), on this side.
         self.make_request = self.requests.make

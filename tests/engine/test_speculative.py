@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -113,10 +113,16 @@ def test_drafts_are_verified_only_as_far_as_their_rows_pay() -> None:
 
 
 class OracleDrafter(NgramDrafter):
-    """Drafts the continuation a plain run produced (``truth``), changing one token of a
-    draft at random half the time; requests it has no truth for get the n-gram lookup."""
+    """Drafts the continuation a plain run produced (``truth``, by request id or by prompt),
+    changing one token of a draft at random half the time; requests it has no truth for get
+    the n-gram lookup."""
 
-    def __init__(self, config: SpeculativeConfig, truth: dict[str, list[int]], seed: int = 0):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        truth: Mapping[str | tuple[int, ...], list[int]],
+        seed: int = 0,
+    ) -> None:
         super().__init__(config)
         self.truth = truth
         self.rng = random.Random(seed)
@@ -125,13 +131,14 @@ class OracleDrafter(NgramDrafter):
         return draft_len  # every draft verified whole, whatever the steps cost here
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        if request.request_id not in self.truth:
+        truth = self.truth.get(request.request_id, self.truth.get(request.prompt_token_ids))
+        if truth is None:
             return super().propose(request, max_tokens)
         if not self.wants(request):
             return []
         k = min(max_tokens, self.rng.randint(1, self.config.num_tokens))
         at = request.num_output_tokens
-        draft = list(self.truth[request.request_id][at : at + k])
+        draft = list(truth[at : at + k])
         if draft and self.rng.random() < 0.5:
             i = self.rng.randrange(len(draft))
             draft[i] = (draft[i] + 1 + self.rng.randrange(500)) % 49152
@@ -154,7 +161,10 @@ def _engine(model_dir: Path, speculative: bool, **overrides: object) -> LLMEngin
     return LLMEngine(tiny_engine_config(model_dir, **{**spec, **overrides}))
 
 
-def _oracle(engine: LLMEngine, truth: dict[str, list[int]], seed: int = 0) -> OracleDrafter:
+def use_oracle(
+    engine: LLMEngine, truth: Mapping[str | tuple[int, ...], list[int]], seed: int = 0
+) -> OracleDrafter:
+    """Replace ``engine``'s drafter by an oracle of ``truth``."""
     assert engine.drafter is not None
     oracle = OracleDrafter(engine.drafter.config, truth, seed)
     engine.drafter = engine.scheduler.drafter = oracle
@@ -206,7 +216,7 @@ def test_greedy_with_drafts_is_token_identical_beside_plain_requests(
     ]
     plain = _run(_engine(tiny_llama_dir, False), jobs)
     engine = _engine(tiny_llama_dir, True)
-    oracle = _oracle(engine, plain.tokens)
+    oracle = use_oracle(engine, plain.tokens)
     stats: list[IterationStats] = []
     engine.listeners.append(type("L", (), {"on_step": lambda _, s: stats.append(s)})())
     spec = _run(engine, jobs)
@@ -233,7 +243,7 @@ def test_greedy_with_drafts_is_token_identical_under_preemption(tiny_llama_dir: 
     reference = _engine(tiny_llama_dir, False, **small)
     plain = _run(reference, jobs)
     engine = _engine(tiny_llama_dir, True, **small)
-    oracle = _oracle(engine, plain.tokens, seed=1)
+    oracle = use_oracle(engine, plain.tokens, seed=1)
     spec = _run(engine, jobs)
     assert engine.scheduler.num_preemptions > 0
     assert spec.tokens == plain.tokens
@@ -251,7 +261,7 @@ def test_seeded_sampling_with_drafts_draws_the_same_tokens(tiny_llama_dir: Path,
     jobs = [(f"r{i}", p, params(i)) for i, p in enumerate(_prompts(5, seed=seed))]
     plain = _run(_engine(tiny_llama_dir, False), jobs)
     engine = _engine(tiny_llama_dir, True)
-    oracle = _oracle(engine, plain.tokens, seed=seed)
+    oracle = use_oracle(engine, plain.tokens, seed=seed)
     assert _run(engine, jobs).tokens == plain.tokens
     assert oracle.num_accepted_tokens > 0
 
@@ -276,7 +286,7 @@ def test_stops_inside_an_accepted_draft_end_where_plain_decoding_ends(
     plain = _run(_engine(tiny_llama_dir, False), jobs)
     assert all(len(plain.tokens[name]) < 40 for name in cases)
     engine = _engine(tiny_llama_dir, True)
-    oracle = _oracle(engine, {name: tokens for name in cases})
+    oracle = use_oracle(engine, {name: tokens for name in cases})
     oracle.rng.random = lambda: 1.0  # type: ignore[method-assign]  # whole, true drafts
     spec = _run(engine, jobs)
     assert spec.tokens == plain.tokens
@@ -299,14 +309,14 @@ def test_a_grammar_with_drafts_writes_the_same_valid_json(tiny_llama_dir: Path) 
     ]
     plain = _run(_engine(tiny_llama_dir, False), jobs)
     engine = _engine(tiny_llama_dir, True)
-    oracle = _oracle(engine, plain.tokens, seed=2)
+    oracle = use_oracle(engine, plain.tokens, seed=2)
     spec = _run(engine, jobs)
     assert spec.tokens == plain.tokens and spec.finish == plain.finish
     assert oracle.num_accepted_tokens > 0
     # A draft token the grammar refuses is never accepted: an invalid draft changes nothing.
     engine = _engine(tiny_llama_dir, True)
     bad = {rid: [t + 1 for t in tokens] for rid, tokens in plain.tokens.items()}
-    _oracle(engine, bad)
+    use_oracle(engine, bad)
     assert _run(engine, jobs).tokens == plain.tokens
 
 
@@ -314,7 +324,7 @@ def test_cancels_mid_draft_give_every_block_back(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, True)
     prompts = _prompts(6, seed=4)
     truth = {f"r{i}": [7] * 200 for i in range(6)}
-    oracle = _oracle(engine, truth)
+    oracle = use_oracle(engine, truth)
     oracle.rng.random = lambda: 1.0  # type: ignore[method-assign]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(max_tokens=100))

@@ -193,3 +193,21 @@ def test_a_4x_window_generation_frees_sliding_blocks_and_still_matches(
     assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.pool.num_blocks
     out = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0))[0]
     assert list(out.token_ids) == expected
+
+
+def test_drafts_on_sliding_windows_change_no_token(tiny_gemma3: dict[str, Any]) -> None:
+    """Speculative decoding over 4x the window: drafts (right, half-right, wrong) verified
+    as decode rows of both sliding and global layers, blocks given back as windows move
+    and drafts are rejected; the tokens are still transformers' own."""
+    from tests.engine.test_speculative import use_oracle
+
+    prompts = tiny_gemma3["prompts"][1:3]
+    new = 4 * WINDOW
+    expected = hf_greedy(tiny_gemma3["model"], prompts, max_new_tokens=new)
+    llm = LLM(str(tiny_gemma3["hf"]), dtype="float32", kv_cache_memory="64MiB", speculative="ngram")
+    drafter = use_oracle(llm.engine, {tuple(p): e for p, e in zip(prompts, expected, strict=True)})
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0))
+    assert [list(o.token_ids) for o in outs] == expected
+    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
+    assert llm.engine.kv_cache.num_window_freed > 0
+    assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
