@@ -117,6 +117,9 @@ class _DraftState:
 class NgramDrafter:
     """Drafts for the requests that speculate; per-request state lives until ``forget``."""
 
+    #: One cost decision in this many verifies a token more than the best (``worth``).
+    EXPLORE_EVERY = 32
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._states: dict[str, _DraftState] = {}
@@ -125,6 +128,7 @@ class NgramDrafter:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.costs = StepCosts()
+        self._decisions = 0
 
     def wants(self, request: Request) -> bool:
         """Whether ``request`` speculates at all (it may opt out per request)."""
@@ -145,12 +149,18 @@ class NgramDrafter:
 
     def worth(self, request_id: str, draft_len: int, rows: int, tokens: float) -> int:
         """How many of a ``draft_len``-token draft to verify in a step that already has
-        ``rows`` rows and is expected to yield ``tokens`` tokens: the length with the most
-        expected tokens per second of the step (``StepCosts``). A step size never measured
-        is tried once (it is how the costs get known)."""
+        ``rows`` decode rows and is expected to yield ``tokens`` tokens: the length with the
+        most expected tokens per second of the step (``StepCosts``).
+
+        Costs are learnt from the steps that run: with the plain step's cost unknown, none
+        (so it gets measured); a longer step never measured is tried once; and one decision
+        in ``EXPLORE_EVERY`` tries one token more than the best, so a size judged on a slow
+        first measurement (a cold cache, a busy machine) is measured again."""
+        if draft_len <= 0:
+            return 0
         now = self.costs.estimate(rows)
         if now is None or now <= 0:
-            return draft_len
+            return 0
         state = self._states.get(request_id)
         alpha = state.acceptance if state is not None else 0.5
         best, best_rate = 0, tokens / now
@@ -163,6 +173,9 @@ class NgramDrafter:
             rate = (tokens + gain) / seconds
             if rate > best_rate:
                 best, best_rate = d, rate
+        self._decisions += 1
+        if best < draft_len and self._decisions % self.EXPLORE_EVERY == 0:
+            return best + 1
         return best
 
     def expected(self, request_id: str, draft_len: int) -> float:

@@ -482,10 +482,21 @@ class LLMEngine:
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
                 return
             stop = state.detokenizer.matched_stop
-            if stop is not None and not request.is_finished:
+            if stop is None:
+                continue
+            if not request.is_finished:
                 request.truncate_output(state.num_seen + i + 1)
                 request.stop_reason = stop
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                return
+            if i < len(new) - 1:
+                # A token stop later in the step (EOS, a stop id, max_tokens, the grammar's
+                # end) ended the request already; the stop string came first, so it is what
+                # plain decoding would have ended on.
+                request.truncate_output(state.num_seen + i + 1)
+                request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.error = None
                 return
 
     @staticmethod

@@ -63,9 +63,6 @@ class _Draft:
     blocked: set[str] = field(default_factory=set)
     #: Running requests preempted others to grow in this step (the pool is tight).
     grew: bool = False
-    #: Draft rows taken so far in this step, and the draft tokens they are expected to add.
-    draft_rows: int = 0
-    draft_gain: float = 0.0
 
     def take(self, seq: ScheduledSequence) -> None:
         self.scheduled[seq.request_id] = seq
@@ -193,8 +190,13 @@ class Scheduler:
         # nothing: give the budget to the running requests instead.
         if not step.scheduled and self.running:
             self._run(step, list(self.running))
+        # 3. Drafts, last: only from the budget and the free blocks every other sequence of
+        # the step left (speculation never delays, starves or preempts anyone).
+        if self.drafter is not None and not step.grew:
+            self._add_drafts(step)
         for seq in step.scheduled.values():
-            self.policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens)
+            # A draft's rows are not charged: the tokens the model accepts are free.
+            self.policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens - seq.num_draft)
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
         return SchedulerOutput(
@@ -214,8 +216,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING or request.request_id in step.scheduled:
                 continue  # preempted earlier in this step, or already served
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if self._speculate(step, request, num_new):
-                continue
             while True:
                 extra = kv.num_blocks_to_add(request, num_new)
                 need = self._need_of(request, extra)
@@ -229,36 +229,39 @@ class Scheduler:
                 if victim is request:
                     break
 
-    def _speculate(self, step: _Draft, request: Request, num_new: int) -> bool:
-        """Schedule a decode with a draft after its token, where the drafter has one and its
-        blocks are free without preempting anyone (speculation never costs another request
-        its place). False: schedule it plainly."""
-        decoding = request.num_tokens - request.num_computed_tokens == 1
-        if self.drafter is None or not decoding or num_new != 1 or not request.output_token_ids:
-            return False
-        room = min(
-            step.budget - 1,
-            request.params.max_tokens - request.num_output_tokens - 1,
-            self.config.max_model_len - request.num_tokens - 1,
-        )
-        draft = self.drafter.propose(request, room)
-        # Worth its rows? Judged against a step of one row per running request plus the
-        # drafts taken so far (``NgramDrafter.worth``).
-        rows = len(self.running) + step.draft_rows
-        tokens = len(self.running) + step.draft_gain
-        draft = draft[: self.drafter.worth(request.request_id, len(draft), rows, tokens)]
-        if not draft:
-            return False
-        num = 1 + len(draft)
+    def _add_drafts(self, step: _Draft) -> None:
+        """Give the step's decodes drafts (``NgramDrafter``), in the step's order, while
+        budget and free blocks last; each only as long as its rows pay
+        (``NgramDrafter.worth``), judged against the step's decode rows so far."""
+        assert self.drafter is not None
         kv = self.kv_cache
-        if self._need_of(request, kv.num_blocks_to_add(request, num)) is not None:
-            return False
-        if not kv.allocate_slots(request, num):
-            return False
-        step.take(self._sequence(request, 1, tuple(draft)))
-        step.draft_rows += len(draft)
-        step.draft_gain += self.drafter.expected(request.request_id, len(draft))
-        return True
+        decodes = [seq for seq in step.scheduled.values() if seq.num_tokens == 1]
+        rows = tokens = float(len(decodes))
+        for seq in decodes:
+            if step.budget <= 0:
+                break
+            request = self.requests[seq.request_id]
+            if request.num_tokens - request.num_computed_tokens != 1 or not (
+                request.output_token_ids
+            ):
+                continue  # a one-token prompt chunk, or a first decode
+            room = min(
+                step.budget,
+                request.params.max_tokens - request.num_output_tokens - 1,
+                self.config.max_model_len - request.num_tokens - 1,
+            )
+            draft = self.drafter.propose(request, room)
+            draft = draft[: self.drafter.worth(request.request_id, len(draft), int(rows), tokens)]
+            if not draft:
+                continue
+            num = 1 + len(draft)
+            extra = kv.num_blocks_to_add(request, num)
+            if self._need_of(request, extra) is not None or not kv.allocate_slots(request, num):
+                continue
+            step.scheduled[seq.request_id] = self._sequence(request, 1, tuple(draft))
+            step.budget -= len(draft)
+            rows += len(draft)
+            tokens += self.drafter.expected(request.request_id, len(draft))
 
     def _consider(self, step: _Draft, candidate: Request, plan: StepPlan) -> bool:
         """Admit the waiting ``candidate`` if it fits; else preempt for it, or leave its tenant

@@ -20,15 +20,19 @@ import torch
 
 from kvgate.config import EngineConfig, SpeculativeConfig
 from kvgate.engine.drafter import NgramDrafter, StepCosts, lookup
+from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.messages import RunnerOutput, SchedulerOutput
 from kvgate.engine.request import Request
 from kvgate.engine.sampler import Sampler
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.stats import IterationStats
 from kvgate.engine.verify import Drafted, DraftVerifier
 from kvgate.errors import InvalidConfig, InvalidRequest
 from kvgate.sampling_params import SamplingParams
 from kvgate.structured.spec import json_schema_grammar
 from tests.conftest import tiny_engine_config
+from tests.engine.fakes import make_request
 
 # ---------------------------------------------------------------------- the lookup
 
@@ -106,7 +110,73 @@ def test_drafts_are_verified_only_as_far_as_their_rows_pay() -> None:
     assert _drafter_with_costs(flat, 40, 4).worth("r", 4, 1, 1) <= 1
     # A step size never measured is tried (that is how it gets measured).
     assert _drafter_with_costs({1: 0.06}, 40, 36).worth("r", 4, 1, 1) == 1
-    assert _drafter_with_costs({}, 0, 0).worth("r", 3, 1, 1) == 3
+    # The plain step's cost unknown: none verified, so that the plain step gets measured.
+    assert _drafter_with_costs({}, 0, 0).worth("r", 3, 1, 1) == 0
+
+
+# ---------------------------------------------------------------------- the scheduler
+
+
+class AlwaysDrafter(NgramDrafter):
+    """A draft of as many 7s as allowed for every request that speculates, always verified."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        k = min(max_tokens, self.config.num_tokens)
+        return [7] * max(k, 0) if self.wants(request) else []
+
+    def worth(self, request_id: str, draft_len: int, rows: int, tokens: float) -> int:
+        return draft_len
+
+
+def _answer(out: SchedulerOutput) -> RunnerOutput:
+    """A runner that samples token 3 and refuses every draft."""
+    return RunnerOutput(
+        sampled_token_ids={s.request_id: 3 for s in out.sequences if s.sample or s.num_draft}
+    )
+
+
+def _scheduler(num_blocks: int, budget: int, k: int = 4) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4)
+    drafter = AlwaysDrafter(SpeculativeConfig(num_tokens=k))
+    return Scheduler(SchedulerConfig(8, budget, 512), kv, None, drafter=drafter)
+
+
+def test_drafts_take_only_the_budget_every_decode_left() -> None:
+    sched = _scheduler(256, 64)
+    for i in range(8):
+        sched.add_request(make_request(f"r{i}", [1, 2, 3], max_tokens=200))
+    out = sched.schedule()
+    sched.update(out, _answer(out))
+    sched.config = SchedulerConfig(8, 10, 512)  # room for every decode and 2 draft tokens
+    for _ in range(4):
+        out = sched.schedule()
+        assert sorted(s.request_id for s in out.sequences) == [f"r{i}" for i in range(8)]
+        assert out.num_batched_tokens == 10 and sum(s.num_draft for s in out.sequences) == 2
+        sched.update(out, _answer(out))
+
+
+def test_drafts_take_only_blocks_nobody_else_needs() -> None:
+    """A pool of 4 blocks of 4: r0 drafts 2 tokens where a block is free, r1 (no drafts)
+    needs more blocks as it grows. Every step runs and preempts exactly what it would with
+    no drafter: a draft never takes a block another request needs."""
+    drafts = []
+
+    def steps(drafting: bool) -> list[tuple[list[str], tuple[str, ...]]]:
+        sched = _scheduler(4, 64, k=2)
+        if not drafting:
+            sched.drafter = None
+        sched.add_request(make_request("r0", [1, 2, 3], max_tokens=200))
+        sched.add_request(make_request("r1", [5, 6, 7, 8], max_tokens=200, speculative=False))
+        seen = []
+        for _ in range(12):
+            out = sched.schedule()
+            seen.append((sorted(s.request_id for s in out.sequences), out.preempted_request_ids))
+            drafts.extend(s.num_draft for s in out.sequences if s.num_draft)
+            sched.update(out, _answer(out))
+        return seen
+
+    assert steps(True) == steps(False)
+    assert drafts  # some steps had a block to spare for r0's draft
 
 
 # ---------------------------------------------------------------------- the engine
@@ -292,6 +362,37 @@ def test_stops_inside_an_accepted_draft_end_where_plain_decoding_ends(
     assert spec.tokens == plain.tokens
     assert spec.text == plain.text
     assert spec.finish == plain.finish
+
+
+def test_a_stop_string_before_a_token_stop_in_the_same_draft_ends_the_request(
+    tiny_llama_dir: Path,
+) -> None:
+    """A whole, true draft holds the token that completes a stop string and, after it, the
+    one that reaches max_tokens (or a stop id): the stop string ends the request, as in
+    plain decoding, and the tokens after it are not delivered."""
+    prompt = _prompts(1, seed=3)[0]
+    free = _run(_engine(tiny_llama_dir, False), [("free", prompt, _greedy(max_tokens=40))])
+    tokens, text = free.tokens["free"], free.text["free"]
+    stop_text = next(
+        s for i in range(12, 30) if (s := text[i : i + 3]).strip() and text.find(s) == i
+    )
+    ended = _run(_engine(tiny_llama_dir, False), [("s", prompt, _greedy(stop=[stop_text]))])
+    n = len(ended.tokens["s"])
+    cases = {
+        f"length+{extra}": _greedy(max_tokens=n + extra, stop=[stop_text]) for extra in (1, 2, 3)
+    }
+    cases["stop-id"] = _greedy(max_tokens=40, stop=[stop_text], stop_token_ids=[tokens[n]])
+    jobs = [(name, prompt, params) for name, params in cases.items()]
+    plain = _run(_engine(tiny_llama_dir, False), jobs)
+    for start in range(4):  # drafts starting at every offset before the stop
+        engine = _engine(tiny_llama_dir, True)
+        drafter = use_oracle(engine, {name: tokens for name in cases})
+        drafter.rng.random = lambda: 1.0  # type: ignore[method-assign]
+        lengths = iter([start + 1, *[4] * 100])
+        drafter.rng.randint = lambda a, b, it=lengths: next(it)  # type: ignore[method-assign,misc]
+        spec = _run(engine, jobs)
+        assert spec.tokens == plain.tokens and spec.finish == plain.finish, start
+        assert spec.text == plain.text
 
 
 def test_a_grammar_with_drafts_writes_the_same_valid_json(tiny_llama_dir: Path) -> None:
