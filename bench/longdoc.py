@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 import time
 from collections import defaultdict
@@ -32,6 +31,7 @@ import torch
 
 from kvgate.retrieval import retrieval
 from kvgate.retrieval.chunking import Chunk, chunk_auto, chunk_static
+from kvgate.retrieval.grading import holds_article
 from kvgate.retrieval.rerank import TOP_LOGPROBS, answer_ids, judgement, question_for, reorder
 from kvgate.retrieval.retrieval import (
     E5Embedder,
@@ -41,16 +41,6 @@ from kvgate.retrieval.retrieval import (
     index_text,
     words,
 )
-
-
-def _hit(chunk: Chunk, article: str, evidence: str) -> bool:
-    if re.search(rf"(?m)^\W*{re.escape(article)}(?!\w*条)", chunk.text):
-        return True
-    body = re.sub(r"\s+", "", evidence)
-    text = re.sub(r"\s+", "", chunk.text)
-    # Most of the article: a static window that holds its middle without its heading.
-    probe = body[len(article) : len(article) + 40]
-    return len(probe) >= 20 and probe in text
 
 
 class CachedEmbedder:
@@ -156,7 +146,7 @@ class _Judge:
             rank = next(
                 (i + 1 for i, h in enumerate(ordered)
                  if chunks[h.key][0] == q["doc"]
-                 and _hit(chunks[h.key][1], q["article"], q["evidence"])),
+                 and holds_article(chunks[h.key][1].text, q["article"], q["evidence"])),
                 99,
             )  # fmt: skip
             for group in ("all", q["type"]):
@@ -279,7 +269,7 @@ def main() -> int:
                         i + 1
                         for i, h in enumerate(hits)
                         if chunks[h.key][0] == q["doc"]
-                        and _hit(chunks[h.key][1], q["article"], q["evidence"])
+                        and holds_article(chunks[h.key][1].text, q["article"], q["evidence"])
                     ),
                     99,
                 )

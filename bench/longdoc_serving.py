@@ -51,7 +51,7 @@ async def chat_load(url: str, clients: int, seconds: float) -> list[float]:
     return sorted(ttfts)
 
 
-def ingest(url: str, corpus: Path) -> tuple[str, int, list[str]]:
+def ingest(url: str, corpus: Path, name: str = "corpus") -> tuple[str, int, list[str]]:
     """Upload every law and start one store over them: (store id, characters, file ids)."""
     ids, chars = [], 0
     with httpx.Client(timeout=120) as http:
@@ -64,7 +64,7 @@ def ingest(url: str, corpus: Path) -> tuple[str, int, list[str]]:
             )
             r.raise_for_status()
             ids.append(r.json()["id"])
-        store = http.post(f"{url}/v1/vector_stores", json={"name": "corpus", "file_ids": ids})
+        store = http.post(f"{url}/v1/vector_stores", json={"name": name, "file_ids": ids})
         store.raise_for_status()
         return store.json()["id"], chars, ids
 
@@ -85,7 +85,7 @@ def main() -> int:
     a = p.parse_args()
     corpus = Path(a.corpus) / "corpus"
     data = Path(tempfile.mkdtemp(prefix="kvgate-longdoc-"))
-    server = start_kvgate("kvgate", a.port, 2, 32, "--data-dir", str(data))
+    server = start_kvgate("kvgate", "smollm2", a.port, 2, 32, "--data-dir", str(data))
     try:
         wait_healthy(server)
         url = server.url

@@ -169,3 +169,14 @@ def grade(answer: str, gold: str, span: str = "") -> Grade:
         if normalize(gold) not in text and not (span and normalize(span) in text):
             missing.append("wording")
     return Grade(not missing, tuple(rules), tuple(missing))
+
+
+def holds_article(text: str, article: str, evidence: str) -> bool:
+    """Does a retrieved or cited passage hold the gold article: a line opening with its
+    heading (``第十九条``; a mention inside a sentence is not one), or most of its text (a
+    static window that holds the article's middle without its heading)?"""
+    if re.search(rf"(?m)^\W*{re.escape(article)}(?!\w*条)", text):
+        return True
+    body = re.sub(r"\s+", "", evidence)
+    probe = body[len(article) : len(article) + 40]
+    return len(probe) >= 20 and probe in re.sub(r"\s+", "", text)

@@ -9,6 +9,7 @@ from kvgate.retrieval.grading import (
     Quantity,
     chinese_number,
     grade,
+    holds_article,
     opens_with_verdict,
     quantities,
     verdict,
@@ -75,3 +76,14 @@ def test_wording_is_compared_without_punctuation_or_the_span_may_stand_in() -> N
     assert grade("股东应当对公司债务承担连带责任。", gold, span).correct
     assert grade("应当对公司债务，承担连带责任", gold, span).correct
     assert not grade("股东对公司债务不承担责任", gold, span).correct
+
+
+def test_a_passage_holds_an_article_by_its_heading_or_most_of_its_text() -> None:
+    evidence = "第十九条 劳动合同期限三个月以上不满一年的，试用期不得超过一个月；劳动合同期限"
+    assert holds_article("（节）\n第十九条 劳动合同期限……", "第十九条", evidence)
+    # not a passage that only mentions it
+    assert not holds_article("依照本法第十九条的规定", "第十九条", evidence)
+    # a window holding the article's middle without its heading
+    middle = "……试用期不得超过一个月；劳动合同期限一年以上不满三年的"
+    assert holds_article("前文" + evidence[4:] + "后文", "第十九条", evidence)
+    assert not holds_article(middle[:10], "第十九条", evidence)

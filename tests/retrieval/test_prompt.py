@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.retrieval.prompt import arrange, citations, fit, sources_block
+from kvgate.retrieval.prompt import arrange, citations, cited, fit, sources_block
 from kvgate.retrieval.service import SearchResult
 
 
@@ -35,3 +35,43 @@ def test_citations_follow_the_labels() -> None:
     assert citations("No labels.", results) == [
         {"type": "file_citation", "index": 10, "file_id": "file-0", "filename": "f0.md"}
     ]
+
+
+def test_an_unlabelled_answer_is_attributed_to_the_source_it_names_or_copies() -> None:
+    results = [
+        _r(0, "第四十条 有下列情形之一的，用人单位提前三十日以书面形式通知劳动者本人"),
+        _r(1, "第五十条 用人单位应当在十五日内为劳动者办理档案和社会保险关系转移手续。"),
+        _r(2, "第四十一条 延长工作时间每日不得超过三小时，但是每月不得超过三十六小时。"),
+    ]
+    # named: the source its article heads, though it copies nothing
+    named = "依照第四十一条，最多36小时。"
+    assert cited(named, results) == [(2, len(named))]
+    # copied: the source sharing the most runs of characters, not the best-ranked one
+    text = "公司应当在十五日内为劳动者办理社会保险关系转移手续。"
+    assert cited(text, results) == [(1, len(text))]
+    assert citations(text, results)[0]["file_id"] == "file-1"
+    # a copied phrase wins over a (misnumbered) article name
+    misnamed = "依照第四十一条，用人单位应当在十五日内为劳动者办理档案和社会保险关系转移手续。"
+    assert cited(misnamed, results) == [(1, len(misnamed))]
+    # a label wins over both; an answer that neither names nor copies cites nothing
+    assert cited("见[1]，第四十一条", results) == [(0, 4)]
+    assert cited("不知道。", results) == []
+    assert citations("不知道。", results)[0]["file_id"] == "file-0"  # the last resort
+
+
+def test_a_label_under_another_sources_words_points_at_the_source_quoted() -> None:
+    results = [
+        _r(0, "第三十八条 用人单位应当保证劳动者每周至少休息一日。"),
+        _r(1, "第三十九条 企业因生产特点不能实行本法第三十六条的规定的，可以实行其他办法。"),
+        _r(2, "第三十六条 国家实行劳动者每日工作时间不超过八小时的工时制度。"),
+    ]  # fmt: skip
+    # the label closes a sentence copied from [1]: it points at [1]
+    closes = "每周至少休息一日。用人单位应当保证劳动者每周至少休息一日。[3]"
+    assert cited(closes, results) == [(0, len(closes))]
+    # the label stands inside the sentence it cites
+    inside = "根据[3]的规定，用人单位应当保证劳动者每周至少休息一日。"
+    assert cited(inside, results) == [(0, inside.index("]") + 1)]
+    # a sentence that copies its own label's source, or nothing much, keeps the label
+    own = "国家实行劳动者每日工作时间不超过八小时[3]，且每周至少休息一日。"
+    assert cited(own, results) == [(2, own.index("]") + 1)]
+    assert cited("答案见[2]。", results) == [(1, 6)]
