@@ -5,7 +5,7 @@
 
 Starts ``kvgate serve`` with the model, uploads the shared corpus (32 laws) into one vector
 store (kept in ``--data-dir`` and reused by later runs), then asks every development question
-of ``../shared/longdoc`` one at a time, streamed, temperature 0, in each mode:
+of ``../shared/longdoc`` (or of ``--questions``) one at a time, streamed, temperature 0, in each mode:
 
 - ``chat``: the client searches the store (top 5) and asks ``/v1/chat/completions`` with the
   chunks in the system turn, labelled and placed as the server would (docs' ``prompt.py``);
@@ -261,9 +261,9 @@ def report(outcomes: list[Outcome], modes: list[str]) -> None:
     print("targets: answers >= 0.80, cited >= 0.90, whole answer p50 <= 8 s")
 
 
-def rejudge(path: Path, shared: Path) -> int:
+def rejudge(path: Path, qfile: Path) -> int:
     """Grade the answers of an earlier run with today's grading and citation code."""
-    by_id = {q["id"]: q for q in questions(shared / "dev_questions.jsonl", None)}
+    by_id = {q["id"]: q for q in questions(qfile, None)}
     outcomes = []
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
@@ -288,15 +288,22 @@ def main() -> int:
     p.add_argument("--expand-neighbours", type=int, help="kvgate's expand_neighbours")
     p.add_argument("--server-arg", action="append", default=[], help="passed to kvgate serve")
     p.add_argument("--rejudge", default="", help="grade an earlier --out file again, ask nothing")
+    p.add_argument(
+        "--questions",
+        default="",
+        help="a questions file (default: the development questions; "
+        "bench/data/longdoc_heldout.jsonl is held out: measure on it, never tune on it)",
+    )
     a = p.parse_args()
+    qfile = Path(a.questions) if a.questions else Path(a.shared) / "dev_questions.jsonl"
     if a.rejudge:
-        return rejudge(Path(a.rejudge), Path(a.shared))
+        return rejudge(Path(a.rejudge), qfile)
     modes = [m for m in a.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     shared = Path(a.shared)
-    todo = questions(shared / "dev_questions.jsonl", set(a.ids.split(",")) if a.ids else None)
+    todo = questions(qfile, set(a.ids.split(",")) if a.ids else None)
     data = Path(a.data_dir) if a.data_dir else Path(tempfile.mkdtemp(prefix="kvgate-answers-"))
     data.mkdir(parents=True, exist_ok=True)
     data.chmod(0o700)
