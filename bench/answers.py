@@ -5,7 +5,8 @@
 
 Starts ``kvgate serve`` with the model, uploads the shared corpus (32 laws) into one vector
 store (kept in ``--data-dir`` and reused by later runs), then asks every development question
-of ``../shared/longdoc`` (or of ``--questions``) one at a time, streamed, temperature 0, in each mode:
+of ``../shared/longdoc`` (or of ``--questions``) one at a time, streamed, temperature 0, in
+each mode:
 
 - ``chat``: the client searches the store (top 5) and asks ``/v1/chat/completions`` with the
   chunks in the system turn, labelled and placed as the server would (docs' ``prompt.py``);
