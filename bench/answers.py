@@ -212,7 +212,8 @@ def judge(out: Outcome, q: dict[str, Any], results: list[Hit]) -> Outcome:
     g = grade(out.graded, q["answer"], q.get("answer_span", ""))
     out.correct, out.missing = g.correct and not out.error, list(g.missing)
     if out.mode == "chat":  # a chat completion carries no annotations: its labels are all
-        refs = [results[i] for i, _ in cited(out.answer, results) if _LABEL.search(out.answer)]
+        labelled = any(1 <= int(n) <= len(results) for n in _LABEL.findall(out.answer))
+        refs = [results[i] for i, _ in cited(out.answer, results)] if labelled else []
     else:  # as the server annotates, without its last resort (the best source)
         refs = [results[i] for i, _ in cited(out.answer, results)]
     out.cited = [f"{h.filename} {h.attributes.get('section', '')}".strip() for h in refs]

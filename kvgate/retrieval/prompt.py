@@ -81,33 +81,46 @@ def sources_block(sources: Sequence[Source]) -> str:
 _LABEL = re.compile(r"\[(\d{1,3})\]")
 _ARTICLE = re.compile(r"第[零〇一二两三四五六七八九十百千0-9]+条(?:之[一二三四五六七八九十]+)?")
 _SPACE = re.compile(r"\s+")
-#: Runs of this many characters shared with a source attribute an unlabelled answer to it
-#: (Chinese: 4 characters is about two words), and at least this many runs must be shared.
+_CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+_WORD = re.compile(r"[^\W_]+")
+#: What an answer shares with a source, counted in runs: of 4 characters holding a CJK one
+#: (Chinese: about two words), or of 3 words of other scripts (4 letters are too common
+#: there). At least ``_MIN_SHARED`` runs attribute an answer to a source.
 _RUN = 4
 _MIN_SHARED = 3
 #: Shared runs that make a copied phrase (about 11 characters in a row).
 _COPIED = 8
+#: Labels checked against their sentence per text; the rest point where they say (a looping
+#: answer of 1,000 labels must not cost the server seconds).
+_MAX_CHECKED = 32
 
 
-def _runs(text: str) -> set[str]:
-    flat = _SPACE.sub("", text)
-    return {flat[i : i + _RUN] for i in range(len(flat) - _RUN + 1)}
+def _runs(text: str) -> frozenset[str]:
+    flat = _SPACE.sub("", _LABEL.sub("", text))
+    cjk = {
+        flat[i : i + _RUN] for i in range(len(flat) - _RUN + 1) if _CJK.search(flat[i : i + _RUN])
+    }
+    words = [w for w in _WORD.findall(text.lower()) if not _CJK.search(w)]
+    return frozenset(cjk | {" ".join(words[i : i + 3]) for i in range(len(words) - 2)})
 
 
-def _support(text: str, results: Sequence[Result]) -> list[int]:
-    """Runs of ``_RUN`` characters ``text`` shares with each result."""
-    runs = _runs(_LABEL.sub("", text))
-    return [len(runs & _runs(r.text)) for r in results]
+def _support(text: str, pools: Sequence[frozenset[str]]) -> list[int]:
+    """Runs ``text`` shares with each source (``pools``: each source's ``_runs``)."""
+    runs = _runs(text)
+    return [len(runs & pool) for pool in pools]
 
 
-def attributed(text: str, results: Sequence[Result]) -> int | None:
+def attributed(
+    text: str, results: Sequence[Result], pools: Sequence[frozenset[str]] | None = None
+) -> int | None:
     """The index of the source an answer without labels came from, or None: the one it
-    copies a phrase from (at least ``_COPIED`` shared runs of 4 characters, the most
-    wins), else the one it names by article (``第四十一条`` heading the source), else the
-    one it shares the most runs with (at least ``_MIN_SHARED``). Copying comes before
-    naming because a small model misnumbers the clause it quotes (Qwen2.5-1.5B on the legal
-    corpus: 第十六条's words under the name 第十五条)."""
-    shared = _support(text, results)
+    copies a phrase from (at least ``_COPIED`` shared runs, the most wins), else the one it
+    names by article (``第四十一条`` heading the source), else the one it shares the most
+    runs with (at least ``_MIN_SHARED``). Copying comes before naming because a small model
+    misnumbers the clause it quotes (Qwen2.5-1.5B on the legal corpus: 第十六条's words
+    under the name 第十五条). ``pools``: the sources' runs, from what the prompt showed."""
+    pools = pools if pools is not None else [_runs(r.text) for r in results]
+    shared = _support(text, pools)
     best = max(range(len(results)), key=lambda i: (shared[i], -i), default=None)
     if best is not None and shared[best] >= _COPIED:
         return best
@@ -119,56 +132,73 @@ def attributed(text: str, results: Sequence[Result]) -> int | None:
     return best if best is not None and shared[best] >= _MIN_SHARED else None
 
 
-_SENTENCE_END = re.compile(r"[。！？!?\n]")
+#: Where a sentence ends: Chinese and Latin stops, a semicolon, a line's end.
+_SENTENCE_END = re.compile(r"[。！？!?；;\n]|\.(?=\s|$)")
+_CLOSES = re.compile(r"(?:[。！？!?；;]|\.)(?:[ \t]*\[\d{1,3}\])*[ \t]*\Z")
 
 
 def _sentence(text: str, label: re.Match[str]) -> str:
     """The sentence a label cites: the one it closes when it follows a sentence's end
-    (``…一日。[3]``), else the one it stands in (``根据[3]的规定，…。``)."""
+    (``…一日。[3]``, also after other labels: ``…一日。[1][3]``), the one it opens at the
+    start of a line or of the text, else the one it stands in (``根据[3]的规定，…。``)."""
     start, end = label.start(), label.end()
-    closes = start > 0 and _SENTENCE_END.match(text, start - 1) is not None
-    if closes:
-        end = start - 1
-        start -= 1
+    head = text[:start]
+    closing = _CLOSES.search(head)
+    if closing is not None:  # the sentence before the stop
+        stop = closing.start()
+        before = [m.end() for m in _SENTENCE_END.finditer(text, 0, stop)]
+        return text[before[-1] if before else 0 : stop]
+    line_start = head.rstrip(" \t").endswith("\n") or not head.strip()
+    after = _SENTENCE_END.search(text, end)
+    if line_start:
+        return text[end : after.start() if after else len(text)]
     before = [m.end() for m in _SENTENCE_END.finditer(text, 0, start)]
-    after = None if closes else _SENTENCE_END.search(text, end)
-    return text[before[-1] if before else 0 : after.start() if after else end]
+    return text[before[-1] if before else 0 : after.start() if after else len(text)]
 
 
-def _checked(text: str, label: re.Match[str], results: Sequence[Result]) -> int:
+def _checked(text: str, label: re.Match[str], pools: Sequence[frozenset[str]]) -> int:
     """The source a label points at, unless the sentence it cites copies at least twice as
     many runs from another source (and at least ``_MIN_SHARED``): a small model often
     quotes one source and writes another's label (measured with Qwen2.5-1.5B on the legal
     corpus: the quoted article under the label of its neighbour in the prompt)."""
     n = int(label.group(1)) - 1
-    shared = _support(_sentence(text, label), results)
-    best = max(range(len(results)), key=lambda i: (shared[i], -i))
+    shared = _support(_sentence(text, label), pools)
+    best = max(range(len(pools)), key=lambda i: (shared[i], -i))
     if shared[best] >= _MIN_SHARED and shared[best] >= 2 * shared[n] and best != n:
         return best
     return n
 
 
-def cited(text: str, results: Sequence[Result]) -> list[tuple[int, int]]:
+def cited(
+    text: str, results: Sequence[Result], shown: Sequence[str] | None = None
+) -> list[tuple[int, int]]:
     """(source index, where in ``text`` the citation ends) for each source ``text`` cites by
-    its ``[n]`` label, checked against what the labelled sentence copies (``_checked``); a
-    text with no label is attributed to the source it names or copies (``attributed``), at
-    its end; none when it does neither."""
+    its ``[n]`` label (n in range), the first ``_MAX_CHECKED`` checked against what the
+    labelled sentence copies (``_checked``); a text with no label in range is attributed to
+    the source it copies or names (``attributed``), at its end; none when it does neither.
+    ``shown``: each result's text as the prompt showed it (with its neighbours), if not
+    ``results[i].text``."""
+    labels = [m for m in _LABEL.finditer(text) if 1 <= int(m.group(1)) <= len(results)]
+    if not text or not results:
+        return []
+    pools = [_runs(t) for t in (shown if shown is not None else [r.text for r in results])]
     out = [
-        (_checked(text, m, results), m.end())
-        for m in _LABEL.finditer(text)
-        if 1 <= int(m.group(1)) <= len(results)
+        (_checked(text, m, pools) if i < _MAX_CHECKED else int(m.group(1)) - 1, m.end())
+        for i, m in enumerate(labels)
     ]
-    if not out and text:
-        i = attributed(text, results)
-        if i is not None:
-            out.append((i, len(text)))
+    if not out:
+        j = attributed(text, results, pools)
+        if j is not None:
+            out.append((j, len(text)))
     return out
 
 
-def citations(text: str, results: Sequence[Result]) -> list[dict[str, Any]]:
+def citations(
+    text: str, results: Sequence[Result], shown: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """``file_citation`` annotations for what ``text`` cites (``cited``); a text that cites
     nothing that way gets one for the best source at its end."""
-    out = [_citation(results[i], end) for i, end in cited(text, results)]
+    out = [_citation(results[i], end) for i, end in cited(text, results, shown)]
     if not out and results and text:
         out.append(_citation(results[0], len(text)))
     return out

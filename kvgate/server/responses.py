@@ -148,10 +148,12 @@ class _Answer:
         self.queries: list[str] = []
         self.results: list[SearchResult] = []  # as searched: the file_search_call's
         self.sources: list[SearchResult] = []  # as they go into the prompt (expanded)
+        self.shown: list[str] = []  # the texts the prompt showed, by rank (fitted)
         self.dropped = 0
         self.prefix = ""  # extract mode: the quoted evidence before the model's text
         self.text = ""
         self.seq = 0
+        self._cited: tuple[str, list[dict[str, Any]]] | None = None  # (text, annotations)
 
     def search_item(self, status: str = "completed") -> dict[str, Any]:
         include = "file_search_call.results" in (self.body.include or [])
@@ -171,10 +173,18 @@ class _Answer:
             else None,
         }  # fmt: skip
 
+    def annotations(self, text: str) -> list[dict[str, Any]]:
+        """``text``'s citations, matched against the sources as the prompt showed them;
+        computed once per text (a stream asks for them in three events)."""
+        if self._cited is None or self._cited[0] != text:
+            shown = self.shown if len(self.shown) == len(self.results) else None
+            found = citations(text, self.results, shown) if self.results else []
+            self._cited = (text, found)
+        return self._cited[1]
+
     def part(self) -> dict[str, Any]:
         text = self.prefix + self.text
-        annotations = citations(text, self.results) if self.results else []
-        return {"type": "output_text", "text": text, "annotations": annotations}
+        return {"type": "output_text", "text": text, "annotations": self.annotations(text)}
 
     def message_item(self, status: str = "completed") -> dict[str, Any]:
         content = [self.part()] if status == "completed" else []
@@ -307,6 +317,7 @@ def _chat_body(
         answer.results = (
             answer.results[: len(kept)] if body.answer_mode != "extract" else [answer.results[0]]
         )
+        answer.shown = [r.text for r in kept]  # a rank's chunk with its neighbours, or alone
         if kept:
             system = (system + "\n\n" if system else "") + sources_block(arrange(kept))
     if system:

@@ -75,3 +75,37 @@ def test_a_label_under_another_sources_words_points_at_the_source_quoted() -> No
     own = "国家实行劳动者每日工作时间不超过八小时[3]，且每周至少休息一日。"
     assert cited(own, results) == [(2, own.index("]") + 1)]
     assert cited("答案见[2]。", results) == [(1, 6)]
+
+
+def test_which_sentence_a_label_cites() -> None:
+    results = [
+        _r(0, "第三十八条 用人单位应当保证劳动者每周至少休息一日。"),
+        _r(1, "第三十六条 国家实行劳动者每日工作时间不超过八小时的工时制度。"),
+    ]
+    # at the start of a line, a label opens the sentence after it, not the line above
+    opens = "国家实行劳动者每日工作时间不超过八小时。\n[1] 用人单位应当保证劳动者每周休息一日。"
+    assert cited(opens, results) == [(0, opens.index("]") + 1)]
+    # the second of two labels after a stop closes the same sentence as the first
+    pair = "用人单位应当保证劳动者每周至少休息一日。[1][2]国家实行……"
+    assert [i for i, _ in cited(pair, results)] == [0, 0]
+    # English: a full stop ends a sentence, and runs are of three words
+    en = [
+        _r(0, "Orders are shipped within two business days of payment."),
+        _r(1, "You may return an unused item within 30 days of delivery for a full refund."),
+    ]
+    text = "Shipping takes two business days [1]. You may return an unused item within 30 days [1]."
+    assert [i for i, _ in cited(text, en)] == [0, 1]
+
+
+def test_labels_out_of_range_count_as_none_and_only_the_first_labels_are_checked() -> None:
+    results = [
+        _r(0, "第五十条 用人单位应当在十五日内为劳动者办理档案和社会保险关系转移手续。"),
+        _r(1, "第三十八条 用人单位应当保证劳动者每周至少休息一日。"),
+    ]
+    # a made-up label [7]: the text is attributed as if it had none
+    made_up = "用人单位应当在十五日内为劳动者办理档案和社会保险关系转移手续[7]。"
+    assert cited(made_up, results) == [(0, len(made_up))]
+    # a looping answer: labels past the first 32 point where they say
+    loop = "用人单位应当保证劳动者每周至少休息一日[1]。" * 40
+    got = [i for i, _ in cited(loop, results)]
+    assert got[:32] == [1] * 32 and got[32:] == [0] * 8
