@@ -164,7 +164,8 @@ def ask_responses(
     out.input_tokens = usage.get("input_tokens", 0)
     out.output_tokens = usage.get("output_tokens", 0)
     # extract: the first delta is the quoted clause with its citation; the model's answer follows
-    out.graded = out.answer[len(first_delta) :] if mode == "extract" else out.answer
+    quoted = mode == "extract" and "」[1]" in first_delta  # no sources: no quote
+    out.graded = out.answer[len(first_delta) :] if quoted else out.answer
     if final.get("status") != "completed":
         out.error = json.dumps(final.get("error") or final.get("incomplete_details"))
     return out, results
