@@ -64,6 +64,19 @@ class TokenFloor:
                     longest[c] = n
         return cls(longest)
 
+    def without(self, chars: Iterable[str]) -> TokenFloor:
+        """This floor with ``chars`` weighing 0: characters the tokenizer drops (SmolLM2's
+        vocabulary has no token for 6 C0 controls, \\x04 among them: "\\x16" encodes to
+        no token, and weighed 1 it broke the bound)."""
+        weight = self._weight.copy()
+        for c in chars:
+            if ord(c) >= len(weight) - 1:  # past the table: widen it, 1 for the rest
+                weight = np.concatenate([weight[:-1], np.ones(ord(c) + 2 - len(weight) + 1)])
+            weight[ord(c)] = 0.0
+        out = TokenFloor({})
+        out._weight = weight
+        return out
+
     def weight(self, text: str, stop_above: float = math.inf) -> float:
         """``W`` of one text: the sum of its characters' weights; weighed a piece at a time,
         and no further once past ``stop_above`` (what it returns is still a lower bound)."""

@@ -29,6 +29,10 @@ from kvgate.errors import CorruptWeights, InvalidRequest, ModelNotFound
 from kvgate.hf_files import int_list, read_json_object
 from kvgate.token_floor import TokenFloor
 
+#: Characters a tokenizer may drop without a token (controls, soft hyphen, zero-width and
+#: byte-order marks): probed once per tokenizer for its token floor.
+_INVISIBLE = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), 0xAD, 0x200B, 0xFEFF)]
+
 __all__ = ["GGUF_PRE_TOKENIZERS", "Tokenizer"]
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
@@ -264,7 +268,8 @@ class Tokenizer:
     def token_floor(self) -> TokenFloor:
         """The fewest tokens a text can be, from the vocabulary (``token_floor.py``): the
         server's size gate before tokenizing."""
-        return TokenFloor.from_vocab(self._backend.get_vocab_size(), self.token_bytes)
+        floor = TokenFloor.from_vocab(self._backend.get_vocab_size(), self.token_bytes)
+        return floor.without(c for c in _INVISIBLE if not self.encode(c, add_special_tokens=False))
 
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:

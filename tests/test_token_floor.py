@@ -5,7 +5,7 @@ or refuse one that fits)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvgate.errors import ModelNotFound
@@ -45,6 +45,8 @@ texts = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(text=texts)
+@example(text="\x16" * 40)  # a control SmolLM2's vocabulary has no token for: none at all
+@example(text="a\x04b\x1d\u200b c\x7f")
 def test_no_text_has_fewer_tokens_than_its_floor(tokenizer: Tokenizer, text: str) -> None:
     floor = tokenizer.token_floor
     assert _count(tokenizer, text) >= floor.tokens([text])
