@@ -40,18 +40,25 @@ class TokenFloor:
     """``tokens(texts)``: a number of tokens that the texts, encoded one by one, have at
     least (ignoring special tokens a template adds: those only add)."""
 
-    def __init__(self, longest: dict[str, int]) -> None:
+    def __init__(self, longest: dict[str, int], dropped: Iterable[str] = ()) -> None:
         """``longest``: for each character, the longest token text (in characters) holding
-        it whole; characters missing weigh 1."""
-        top = max((ord(c) for c in longest), default=0) + 1
+        it whole; characters missing weigh 1. ``dropped``: characters the tokenizer drops,
+        weighing 0 (SmolLM2's vocabulary has no token for 6 C0 controls: "\\x16" encodes to
+        no token, and weighed 1 it broke the bound)."""
+        dropped = list(dropped)
+        top = max((ord(c) for c in [*longest, *dropped]), default=0) + 1
         # weight[cp] = 1 / L(cp); the last entry, 1.0, stands for every code point past top.
         weight = np.ones(top + 1, dtype=np.float64)
         for c, n in longest.items():
             weight[ord(c)] = 1.0 / n
+        for c in dropped:
+            weight[ord(c)] = 0.0
         self._weight: npt.NDArray[np.float64] = weight
 
     @classmethod
-    def from_vocab(cls, size: int, token_bytes: Callable[[int], bytes]) -> TokenFloor:
+    def from_vocab(
+        cls, size: int, token_bytes: Callable[[int], bytes], dropped: Iterable[str] = ()
+    ) -> TokenFloor:
         """From each token's bytes (ids 0 .. size-1); a token's partial UTF-8 characters
         (its first or last bytes of a character it shares with a neighbour) are not its own
         (the proof above counts them)."""
@@ -62,20 +69,7 @@ class TokenFloor:
             for c in set(text):
                 if longest.get(c, 0) < n:
                     longest[c] = n
-        return cls(longest)
-
-    def without(self, chars: Iterable[str]) -> TokenFloor:
-        """This floor with ``chars`` weighing 0: characters the tokenizer drops (SmolLM2's
-        vocabulary has no token for 6 C0 controls, \\x04 among them: "\\x16" encodes to
-        no token, and weighed 1 it broke the bound)."""
-        weight = self._weight.copy()
-        for c in chars:
-            if ord(c) >= len(weight) - 1:  # past the table: widen it, 1 for the rest
-                weight = np.concatenate([weight[:-1], np.ones(ord(c) + 2 - len(weight) + 1)])
-            weight[ord(c)] = 0.0
-        out = TokenFloor({})
-        out._weight = weight
-        return out
+        return cls(longest, dropped)
 
     def weight(self, text: str, stop_above: float = math.inf) -> float:
         """``W`` of one text: the sum of its characters' weights; weighed a piece at a time,

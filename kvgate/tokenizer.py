@@ -268,8 +268,8 @@ class Tokenizer:
     def token_floor(self) -> TokenFloor:
         """The fewest tokens a text can be, from the vocabulary (``token_floor.py``): the
         server's size gate before tokenizing."""
-        floor = TokenFloor.from_vocab(self._backend.get_vocab_size(), self.token_bytes)
-        return floor.without(c for c in _INVISIBLE if not self.encode(c, add_special_tokens=False))
+        dropped = [c for c in _INVISIBLE if not self.encode(c, add_special_tokens=False)]
+        return TokenFloor.from_vocab(self._backend.get_vocab_size(), self.token_bytes, dropped)
 
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:
