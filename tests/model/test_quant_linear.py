@@ -595,3 +595,25 @@ def test_few_rows_equal_the_many_row_path_across_odd_part_boundaries(
         for start in (0, 13 - size):
             assert torch.equal(lin(x[start : start + size]), batch[start : start + size])
     _assert_near(lib, batch, x, parts, bias)
+
+
+@levels
+def test_few_rows_on_whole_k_quant_panels_equal_every_other_path(level: str) -> None:
+    """2..15 rows (a decode step, a speculative verification) take whole panels of one Q4_K
+    or Q6_K run decoded in registers (VNNI: qlinear_few, up to 8 rows per pass), and the
+    panels that are not such runs (a Q8_0 part, a panel straddling two parts) the other
+    paths: each row is bit-identical to itself alone and in a batch of 40 (the panels, or the
+    AMX tiles), and near the exact product."""
+    lib = _library(level)
+    k = 768
+    shapes = ((Q.Q4_K, 32), (Q.Q6_K, 16), (Q.Q8_0, 16), (Q.Q4_K, 21), (Q.Q6_K, 27))
+    parts = [random_quant(t, n, k, seed=40 + i, name=f"p{i}") for i, (t, n) in enumerate(shapes)]
+    lin = QuantLinear(parts, None, lib, io_dtype=torch.bfloat16, float32_out=True)
+    x = _inputs(40, k, seed=8).bfloat16()
+    batch = lin(x)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(15)])
+    assert torch.equal(batch[:15], alone)
+    for size in range(2, 16):
+        for start in (0, 40 - size):
+            assert torch.equal(lin(x[start : start + size]), batch[start : start + size]), size
+    _assert_near(lib, batch, x, parts)

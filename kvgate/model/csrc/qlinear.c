@@ -33,7 +33,9 @@
  * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
  * panels of 16 columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
- * row1_run, 128 inputs per load and the scales of 16 rows gathered at once). AVX2: up to 8
+ * row1_run, 128 inputs per load and the scales of 16 rows gathered at once); for 2-15 rows,
+ * whole panels of Q4_K or Q6_K decoded in registers and multiplied there (qlinear_few: 2 rows
+ * cost 1.1x one row, 8 rows 1.3x, against 1.5x and 2.1x through a stored panel). AVX2: up to 8
  * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
  * (qtile) or, for the K-quants, of 8 interleaved ones (kq8); Zen 2, 2 threads, Qwen 1.5B
  * shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K 12.0 -> 17.0 with the K-quants' integer sums
@@ -1846,6 +1848,200 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
     return 0;
 }
 
+/* ---- Few rows on whole Q4_K / Q6_K panels: decoded in registers, never stored -------------
+ * For 2 to 15 rows the panels above spend their time on the decoded panel, not on the
+ * rows: decode_panel writes 16 x Kp bytes that ptile then reads back, and on the Xeon with AMX
+ * (2 threads, Qwen 1.5B shapes from memory) 2 rows of Q4_K cost 2.0x one row, with
+ * decode_panel 57% of the samples and ptile 13%. Here a whole panel of one Q4_K or Q6_K run
+ * is decoded 64 or 128 inputs at a time into registers in the interleaved order (16 x 16
+ * dword transposes in registers) and multiplied at once with up to FEW_R rows of x broadcast,
+ * the exact group sums into ptile's float32 steps in ptile's order: the outputs are
+ * bit-identical to ptile's, the AMX tiles' and row1's. Q4_K's 64-byte runs are transposed
+ * packed (one transpose per 128 inputs instead of two): packed dword j of the run holds the
+ * low nibbles of inputs 4j .. 4j + 3 (j < 8) or 64 + 4 (j - 8) .., and their high nibbles 32
+ * inputs later, so the four 32-input blocks of the 128 come out of one transpose in order.
+ * Same machine, bench/qlinears.py alternated with the stored panels, GFLOP/s at 2 / 4 / 8 / 15
+ * rows: Q4_K 69 / 126 / 207 / 266 -> 88 / 168 / 294 / 343, Q6_K 50 / 99 / 164 / 234 -> 62 /
+ * 114 / 203 / 230. Passes of 4 rows were as fast up to 4 and lost from 5 (a second decode);
+ * passes of 8 decode twice from 9 rows and still match the stored panels there. */
+#define FEW_R 8
+/* Calls of fewer rows take qlinear_few; more take the panels (the AMX tiles from 16). */
+#define FEW_BELOW 16
+
+/* r[j] := dword j of the 16 registers (lane i of the result: r[i]'s lane j), in registers. */
+static inline void transpose16_in(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512i a0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
+        const __m512i a1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
+        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
+        t[e] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+        t[8 + e] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+        t[12 + e] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+    }
+    for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+/* isum[r] += the products of 4 interleaved registers (inputs i0 .. i0 + 15 of the 16 columns)
+ * with row r's x there, broadcast. */
+static inline __attribute__((always_inline)) void few_group(const __m512i* q, const int8_t* xq,
+                                                            int64_t Kp, int64_t i0, const int R,
+                                                            __m512i* isum) {
+    for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r) {
+            int32_t four;
+            memcpy(&four, xq + r * Kp + i0 + 4 * j, 4);
+            isum[r] = _mm512_dpbusd_epi32(isum[r], q[j], _mm512_set1_epi32(four));
+        }
+}
+
+/* ptile's two float32 steps for W-group g (its index in the row) of every row. */
+static inline __attribute__((always_inline)) void few_steps(const __m512i* isum, const float* dx,
+                                                            const float* xs, int64_t Kp, const int W,
+                                                            int64_t g, const float* sc_at,
+                                                            const float* of_at, const int R,
+                                                            __m512* acc) {
+    const __m512 sc = _mm512_load_ps(sc_at), of = _mm512_load_ps(of_at);
+    for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dx[r * (Kp / 32) + g * W / 32]);
+        const __m512 s = _mm512_set1_ps(xs[r * (Kp / W) + g]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(sc, d), acc[r]);
+        acc[r] = _mm512_fmadd_ps(of, s, acc[r]);
+    }
+}
+
+/* R rows (xq [R][Kp] int8, dx, xs: theirs, xs per 32 inputs for Q4_K, per 16 for Q6_K) x one
+ * whole panel of a Q4_K / Q6_K run (base: its first row, rb: row bytes): out [R][MAX_P * 16]
+ * float32 sums, offsets included, as ptile_R_1_W gives them. */
+static inline __attribute__((always_inline)) void few_run_t(
+    const uint8_t* base, int64_t rb, const int type, const int R, const int8_t* xq,
+    const float* dx, const float* xs, int64_t Kp, int64_t K, prefetcher* pf, float* out) {
+    const int bs = block_bytes(type);
+    const __m512i offs = row_offsets(rb);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    float ws[16 * PANEL] __attribute__((aligned(64))), wo[16 * PANEL] __attribute__((aligned(64)));
+    __m512 acc[FEW_R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const uint8_t* blk = base + k0 / 256 * bs;
+        run_scales(blk, offs, type, ws, wo);
+        for (int h = 0; h < 2; ++h) {
+            const int64_t k = k0 + 128 * h;
+            if (type == T_Q4_K) {
+                prefetch_step(pf);
+                prefetch_step(pf);
+                __m512i t[16];
+                for (int c = 0; c < PANEL; ++c) t[c] = _mm512_loadu_si512(blk + c * rb + 16 + 64 * h);
+                transpose16_in(t);
+                /* the four blocks of 32: low nibbles of t[0..7], high ones, then of t[8..15] */
+                for (int b = 0; b < 4; ++b) {
+                    __m512i isum[FEW_R];
+                    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+                    const __m512i* src = t + 8 * (b / 2);
+                    const int64_t i0 = k + 32 * b;
+                    for (int half = 0; half < 2; ++half) {
+                        __m512i q[4];
+                        for (int j = 0; j < 4; ++j)
+                            q[j] = _mm512_and_si512(b & 1 ? _mm512_srli_epi16(src[4 * half + j], 4)
+                                                          : src[4 * half + j], m4);
+                        few_group(q, xq, Kp, i0 + 16 * half, R, isum);
+                    }
+                    const int lg = 8 * h + 2 * b; /* the block's first group in the 256 */
+                    few_steps(isum, dx, xs, Kp, 32, i0 / 32, ws + lg * PANEL, wo + lg * PANEL, R, acc);
+                }
+            } else {
+                for (int upper = 0; upper < 2; ++upper) {
+                    prefetch_step(pf);
+                    __m512i t[16];
+                    for (int c = 0; c < PANEL; ++c) t[c] = run_decode(blk + c * rb, T_Q6_K, h, upper);
+                    transpose16_in(t); /* t[j]: inputs k + 64 upper + 4 j .. + 3 */
+                    for (int i = 0; i < 4; ++i) {
+                        __m512i isum[FEW_R];
+                        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+                        const int64_t i0 = k + 64 * upper + 16 * i;
+                        few_group(t + 4 * i, xq, Kp, i0, R, isum);
+                        const int lg = 8 * h + 4 * upper + i;
+                        few_steps(isum, dx, xs, Kp, 16, i0 / 16, ws + lg * PANEL, wo + lg * PANEL, R, acc);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(out + r * MAX_P * PANEL, acc[r]);
+}
+
+#define FEW_RUN(TY, R)                                                                          \
+    static void few_run_##TY##_##R(const uint8_t* base, int64_t rb, const int8_t* xq,          \
+                                   const float* dx, const float* xs, int64_t Kp, int64_t K,     \
+                                   prefetcher* pf, float* out) {                                \
+        few_run_t(base, rb, T_##TY, R, xq, dx, xs, Kp, K, pf, out);                             \
+    }
+FEW_RUN(Q4_K, 1) FEW_RUN(Q4_K, 2) FEW_RUN(Q4_K, 3) FEW_RUN(Q4_K, 4)
+FEW_RUN(Q4_K, 5) FEW_RUN(Q4_K, 6) FEW_RUN(Q4_K, 7) FEW_RUN(Q4_K, 8)
+FEW_RUN(Q6_K, 1) FEW_RUN(Q6_K, 2) FEW_RUN(Q6_K, 3) FEW_RUN(Q6_K, 4)
+FEW_RUN(Q6_K, 5) FEW_RUN(Q6_K, 6) FEW_RUN(Q6_K, 7) FEW_RUN(Q6_K, 8)
+#undef FEW_RUN
+typedef void (*few_run_fn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*,
+                           int64_t, int64_t, prefetcher*, float*);
+static const few_run_fn FEW_RUNS[2][FEW_R + 1] = {
+    {0, few_run_Q4_K_1, few_run_Q4_K_2, few_run_Q4_K_3, few_run_Q4_K_4,
+     few_run_Q4_K_5, few_run_Q4_K_6, few_run_Q4_K_7, few_run_Q4_K_8},
+    {0, few_run_Q6_K_1, few_run_Q6_K_2, few_run_Q6_K_3, few_run_Q6_K_4,
+     few_run_Q6_K_5, few_run_Q6_K_6, few_run_Q6_K_7, few_run_Q6_K_8},
+};
+
+/* Rows [m0, m1) for this thread's panels [p_lo, p_hi): whole Q4_K / Q6_K panels by few_run,
+ * FEW_R rows per pass (decoded again per pass), the others as qlinear_panels. */
+static int qlinear_few(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
+                       int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N, int64_t K,
+                       int f32) {
+    const int64_t Kp = a->Kp;
+    float out[FEW_R * MAX_P * PANEL] __attribute__((aligned(64)));
+    for (int64_t p = p_lo; p < p_hi; ++p) {
+        const int64_t n0 = p * PANEL;
+        const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+        int type;
+        int64_t rb;
+        const uint8_t* run = panel_run(w, n0, cols, &type, &rb);
+        if (!run) { /* this and the following panels that are not such runs, as pairs */
+            int64_t q = p + 1;
+            for (int t; q < p_hi; ++q) {
+                const int64_t m = q * PANEL;
+                if (panel_run(w, m, N - m < PANEL ? (int)(N - m) : PANEL, &t, &rb)) break;
+            }
+            const int rc = qlinear_panels(w, a, bias, y, m0, m1, p, q, N, K, f32);
+            if (rc) return rc;
+            p = q - 1;
+            continue;
+        }
+        const float* xs = type == T_Q4_K ? a->xs32 : a->xs;
+        const int64_t xs_per = type == T_Q4_K ? Kp / 32 : Kp / 16;
+        for (int64_t r0 = m0; r0 < m1; r0 += FEW_R) {
+            const int R = m1 - r0 < FEW_R ? (int)(m1 - r0) : FEW_R;
+            prefetcher pf;
+            /* the next panel while this one is read, on the last pass over it */
+            prefetch_start(&pf, w, n0 + PANEL, r0 + R >= m1 && p + 1 < p_hi ? N : n0 + PANEL, K,
+                           Kp / 64);
+            FEW_RUNS[type == T_Q6_K][R](run, rb, a->xq + r0 * Kp, a->dx + r0 * (Kp / 32),
+                                        xs + r0 * xs_per, Kp, K, &pf, out);
+            store_rows(out, R, r0, p, cols, N, bias, y, f32);
+        }
+    }
+    return 0;
+}
+
 static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                          int64_t M, int64_t N, int64_t K, int f32, int tid, int nt) {
     /* Contiguous ranges of whole panels per thread; rows in blocks of up to 8 MiB of int8 x,
@@ -1858,6 +2054,7 @@ static int qlinear_range(const kvg_qweight* w, const qacts* a, const float* bias
     const int64_t panels = (N + PANEL - 1) / PANEL;
     const int64_t p_lo = panels * tid / nt, p_hi = panels * (tid + 1) / nt;
     if (M == 1) return qlinear_row1(w, a, bias, y, p_lo, p_hi, N, K, f32);
+    if (M < FEW_BELOW) return qlinear_few(w, a, bias, y, 0, M, p_lo, p_hi, N, K, f32);
     int64_t mb = ((int64_t)8 << 20) / a->Kp;
     mb = mb < AMX_ROWS ? AMX_ROWS : mb / AMX_ROWS * AMX_ROWS;
 #ifdef KVG_QAMX
