@@ -1943,7 +1943,8 @@ static inline __attribute__((always_inline)) void few_run_t(
                 prefetch_step(pf);
                 prefetch_step(pf);
                 __m512i t[16];
-                for (int c = 0; c < PANEL; ++c) t[c] = _mm512_loadu_si512(blk + c * rb + 16 + 64 * h);
+                for (int c = 0; c < PANEL; ++c)
+                    t[c] = _mm512_loadu_si512(blk + c * rb + 16 + 64 * h);
                 transpose16_in(t);
                 /* the four blocks of 32: low nibbles of t[0..7], high ones, then of t[8..15] */
                 for (int b = 0; b < 4; ++b) {
@@ -1959,13 +1960,15 @@ static inline __attribute__((always_inline)) void few_run_t(
                         few_group(q, xq, Kp, i0 + 16 * half, R, isum);
                     }
                     const int lg = 8 * h + 2 * b; /* the block's first group in the 256 */
-                    few_steps(isum, dx, xs, Kp, 32, i0 / 32, ws + lg * PANEL, wo + lg * PANEL, R, acc);
+                    few_steps(isum, dx, xs, Kp, 32, i0 / 32, ws + lg * PANEL, wo + lg * PANEL, R,
+                              acc);
                 }
             } else {
                 for (int upper = 0; upper < 2; ++upper) {
                     prefetch_step(pf);
                     __m512i t[16];
-                    for (int c = 0; c < PANEL; ++c) t[c] = run_decode(blk + c * rb, T_Q6_K, h, upper);
+                    for (int c = 0; c < PANEL; ++c)
+                        t[c] = run_decode(blk + c * rb, T_Q6_K, h, upper);
                     transpose16_in(t); /* t[j]: inputs k + 64 upper + 4 j .. + 3 */
                     for (int i = 0; i < 4; ++i) {
                         __m512i isum[FEW_R];
@@ -1973,7 +1976,8 @@ static inline __attribute__((always_inline)) void few_run_t(
                         const int64_t i0 = k + 64 * upper + 16 * i;
                         few_group(t + 4 * i, xq, Kp, i0, R, isum);
                         const int lg = 8 * h + 4 * upper + i;
-                        few_steps(isum, dx, xs, Kp, 16, i0 / 16, ws + lg * PANEL, wo + lg * PANEL, R, acc);
+                        few_steps(isum, dx, xs, Kp, 16, i0 / 16, ws + lg * PANEL, wo + lg * PANEL,
+                                  R, acc);
                     }
                 }
             }
