@@ -598,15 +598,24 @@ def test_few_rows_equal_the_many_row_path_across_odd_part_boundaries(
 
 
 @levels
-def test_few_rows_on_whole_k_quant_panels_equal_every_other_path(level: str) -> None:
-    """2..15 rows (a decode step, a speculative verification) take whole panels of one Q4_K
-    or Q6_K run decoded in registers (VNNI: qlinear_few, up to 8 rows per pass), and the
-    panels that are not such runs (a Q8_0 part, a panel straddling two parts) the other
-    paths: each row is bit-identical to itself alone and in a batch of 40 (the panels, or the
-    AMX tiles), and near the exact product."""
+@pytest.mark.parametrize(
+    ("shapes", "k"),
+    [
+        (((Q.Q4_K, 32), (Q.Q6_K, 16), (Q.Q5_K, 16), (Q.Q4_K, 21), (Q.Q6_K, 27)), 768),
+        (((Q.Q8_0, 32), (Q.Q4_1, 16), (Q.Q5_0, 16), (Q.Q4_0, 21), (Q.Q8_0, 27)), 800),
+    ],
+    ids=["k-quants", "32-input-types"],
+)
+def test_few_rows_on_whole_panels_equal_every_other_path(
+    level: str, shapes: tuple[tuple[GGMLQuantizationType, int], ...], k: int
+) -> None:
+    """2..15 rows (a decode step, a speculative verification) take whole panels of one run of
+    Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 decoded in registers (VNNI: qlinear_few, up to 8 rows per
+    pass), and the panels that are not such runs (Q5_K, Q5_0, a panel straddling two parts)
+    the other paths, with a 32-input tail for the 32-input types: each row is bit-identical
+    to itself alone and in a batch of 40 (the panels, or the AMX tiles), and near the exact
+    product."""
     lib = _library(level)
-    k = 768
-    shapes = ((Q.Q4_K, 32), (Q.Q6_K, 16), (Q.Q8_0, 16), (Q.Q4_K, 21), (Q.Q6_K, 27))
     parts = [random_quant(t, n, k, seed=40 + i, name=f"p{i}") for i, (t, n) in enumerate(shapes)]
     lin = QuantLinear(parts, None, lib, io_dtype=torch.bfloat16, float32_out=True)
     x = _inputs(40, k, seed=8).bfloat16()

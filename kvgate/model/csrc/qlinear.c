@@ -34,8 +34,9 @@
  * panels of 16 columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
  * row1_run, 128 inputs per load and the scales of 16 rows gathered at once); for 2-15 rows,
- * whole panels of Q4_K or Q6_K decoded in registers and multiplied there (qlinear_few: 2 rows
- * cost 1.1x one row, 8 rows 1.3x, against 1.5x and 2.1x through a stored panel). AVX2: up to 8
+ * whole panels of Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 decoded in registers and multiplied there
+ * (qlinear_few: 2 rows of Q4_K cost 1.1x one row, 8 rows 1.3x, against 1.5x and 2.1x through a
+ * stored panel). AVX2: up to 8
  * rows on columns decoded in registers (qlinear_few_range), more on blocks of 2 decoded columns
  * (qtile) or, for the K-quants, of 8 interleaved ones (kq8); Zen 2, 2 threads, Qwen 1.5B
  * shapes at 1 row: Q4_K 9.3 -> 14.7 GB/s, Q6_K 12.0 -> 17.0 with the K-quants' integer sums
@@ -1848,7 +1849,7 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
     return 0;
 }
 
-/* ---- Few rows on whole Q4_K / Q6_K panels: decoded in registers, never stored -------------
+/* ---- Few rows on whole panels of one run: decoded in registers, never stored --------------
  * For 2 to 15 rows the panels above spend their time on the decoded panel, not on the
  * rows: decode_panel writes 16 x Kp bytes that ptile then reads back, and on the Xeon with AMX
  * (2 threads, Qwen 1.5B shapes from memory) 2 rows of Q4_K cost 2.0x one row, with
@@ -1863,7 +1864,10 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
  * Same machine, bench/qlinears.py alternated with the stored panels, GFLOP/s at 2 / 4 / 8 / 15
  * rows: Q4_K 69 / 126 / 207 / 266 -> 88 / 168 / 294 / 343, Q6_K 50 / 99 / 164 / 234 -> 62 /
  * 114 / 203 / 230. Passes of 4 rows were as fast up to 4 and lost from 5 (a second decode);
- * passes of 8 decode twice from 9 rows and still match the stored panels there. */
+ * passes of 8 decode twice from 9 rows and still match the stored panels there. Whole panels
+ * of Q8_0, Q4_0 and Q4_1 runs (SmolLM2's Q4_1, --quantization int8's Q8_0) take the same path,
+ * 64 inputs at a time (few_run32_t), avx512bf16 build: GFLOP/s at 2 / 8 rows, Q8_0 38 / 125
+ * -> 50 / 171, Q4_1 54 / 159 -> 66 / 204, Q4_0 57 / 171 -> 71 / 219 (alternated, twice). */
 #define FEW_R 8
 /* Calls of fewer rows take qlinear_few; more take the panels (the AMX tiles from 16). */
 #define FEW_BELOW 16
@@ -1986,28 +1990,91 @@ static inline __attribute__((always_inline)) void few_run_t(
     for (int r = 0; r < R; ++r) _mm512_store_ps(out + r * MAX_P * PANEL, acc[r]);
 }
 
+/* few_run_t for a whole panel of a run of Q8_0, Q4_0 or Q4_1 (32-input blocks; their steps per
+ * 32): 64 inputs at a time as decode_pairs gives them, transposed in registers, the two
+ * blocks' scales gathered 16 rows at a time (scales32; zeros past K, as decode_panel's). */
+static inline __attribute__((always_inline)) void few_run32_t(
+    const uint8_t* base, int64_t rb, const int type, const int R, const int8_t* xq,
+    const float* dx, const float* xs, int64_t Kp, int64_t K, prefetcher* pf, float* out) {
+    const int bs = block_bytes(type);
+    const __m512i offs = row_offsets(rb);
+    __m512 acc[FEW_R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
+        prefetch_step(pf);
+        __m512i t[16];
+        const uint8_t* blk = base + k0 / 32 * bs;
+        if (K - k0 < 64)
+            decode_pairs(blk, rb, type, 1, t);
+        else
+            decode_pairs(blk, rb, type, 0, t);
+        transpose16_in(t); /* t[j]: inputs k0 + 4 j .. + 3 */
+        for (int b = 0; b < 2; ++b) {
+            __m512 sc = _mm512_setzero_ps(), of = _mm512_setzero_ps();
+            if (k0 + 32 * b < K) scales32(blk + b * bs, offs, type, &sc, &of);
+            float ws[PANEL] __attribute__((aligned(64))), wo[PANEL] __attribute__((aligned(64)));
+            _mm512_store_ps(ws, sc);
+            _mm512_store_ps(wo, of);
+            __m512i isum[FEW_R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+            for (int half = 0; half < 2; ++half)
+                few_group(t + 8 * b + 4 * half, xq, Kp, k0 + 32 * b + 16 * half, R, isum);
+            few_steps(isum, dx, xs, Kp, 32, (k0 + 32 * b) / 32, ws, wo, R, acc);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(out + r * MAX_P * PANEL, acc[r]);
+}
+
+/* The block kinds few_run takes, as FEW_RUNS' first index: -1 for any other type. */
+static inline int few_kind(int type) {
+    switch (type) {
+        case T_Q4_K: return 0;
+        case T_Q6_K: return 1;
+        case T_Q8_0: return 2;
+        case T_Q4_0: return 3;
+        case T_Q4_1: return 4;
+        default: return -1;
+    }
+}
+
 #define FEW_RUN(TY, R)                                                                          \
     static void few_run_##TY##_##R(const uint8_t* base, int64_t rb, const int8_t* xq,          \
                                    const float* dx, const float* xs, int64_t Kp, int64_t K,     \
                                    prefetcher* pf, float* out) {                                \
-        few_run_t(base, rb, T_##TY, R, xq, dx, xs, Kp, K, pf, out);                             \
+        if (block_inputs(T_##TY) == 256)                                                        \
+            few_run_t(base, rb, T_##TY, R, xq, dx, xs, Kp, K, pf, out);                         \
+        else                                                                                    \
+            few_run32_t(base, rb, T_##TY, R, xq, dx, xs, Kp, K, pf, out);                       \
     }
-FEW_RUN(Q4_K, 1) FEW_RUN(Q4_K, 2) FEW_RUN(Q4_K, 3) FEW_RUN(Q4_K, 4)
-FEW_RUN(Q4_K, 5) FEW_RUN(Q4_K, 6) FEW_RUN(Q4_K, 7) FEW_RUN(Q4_K, 8)
-FEW_RUN(Q6_K, 1) FEW_RUN(Q6_K, 2) FEW_RUN(Q6_K, 3) FEW_RUN(Q6_K, 4)
-FEW_RUN(Q6_K, 5) FEW_RUN(Q6_K, 6) FEW_RUN(Q6_K, 7) FEW_RUN(Q6_K, 8)
+#define FEW_RUNS_OF(TY)                                                                         \
+    FEW_RUN(TY, 1) FEW_RUN(TY, 2) FEW_RUN(TY, 3) FEW_RUN(TY, 4)                                 \
+    FEW_RUN(TY, 5) FEW_RUN(TY, 6) FEW_RUN(TY, 7) FEW_RUN(TY, 8)
+FEW_RUNS_OF(Q4_K) FEW_RUNS_OF(Q6_K) FEW_RUNS_OF(Q8_0) FEW_RUNS_OF(Q4_0) FEW_RUNS_OF(Q4_1)
+#undef FEW_RUNS_OF
 #undef FEW_RUN
 typedef void (*few_run_fn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*,
                            int64_t, int64_t, prefetcher*, float*);
-static const few_run_fn FEW_RUNS[2][FEW_R + 1] = {
-    {0, few_run_Q4_K_1, few_run_Q4_K_2, few_run_Q4_K_3, few_run_Q4_K_4,
-     few_run_Q4_K_5, few_run_Q4_K_6, few_run_Q4_K_7, few_run_Q4_K_8},
-    {0, few_run_Q6_K_1, few_run_Q6_K_2, few_run_Q6_K_3, few_run_Q6_K_4,
-     few_run_Q6_K_5, few_run_Q6_K_6, few_run_Q6_K_7, few_run_Q6_K_8},
+#define FEW_ROW(TY)                                                                             \
+    {0, few_run_##TY##_1, few_run_##TY##_2, few_run_##TY##_3, few_run_##TY##_4,                 \
+     few_run_##TY##_5, few_run_##TY##_6, few_run_##TY##_7, few_run_##TY##_8}
+static const few_run_fn FEW_RUNS[5][FEW_R + 1] = {
+    FEW_ROW(Q4_K), FEW_ROW(Q6_K), FEW_ROW(Q8_0), FEW_ROW(Q4_0), FEW_ROW(Q4_1),
 };
+#undef FEW_ROW
 
-/* Rows [m0, m1) for this thread's panels [p_lo, p_hi): whole Q4_K / Q6_K panels by few_run,
- * FEW_R rows per pass (decoded again per pass), the others as qlinear_panels. */
+/* A whole panel few_run takes: one run of a kind it has (its first row; its type and row
+ * bytes), else NULL. */
+static inline const uint8_t* few_panel(const kvg_qweight* w, int64_t n0, int64_t N, int* type,
+                                       int64_t* rb) {
+    const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+    const uint8_t* run = panel_run(w, n0, cols, type, rb);
+    if (!run) run = panel_run32(w, n0, cols, type, rb);
+    return run && few_kind(*type) >= 0 ? run : NULL;
+}
+
+/* Rows [m0, m1) for this thread's panels [p_lo, p_hi): whole panels of one run of Q4_K, Q6_K,
+ * Q8_0, Q4_0 or Q4_1 by few_run, FEW_R rows per pass (decoded again per pass), the others as
+ * qlinear_panels. */
 static int qlinear_few(const kvg_qweight* w, const qacts* a, const float* bias, void* y,
                        int64_t m0, int64_t m1, int64_t p_lo, int64_t p_hi, int64_t N, int64_t K,
                        int f32) {
@@ -2018,27 +2085,26 @@ static int qlinear_few(const kvg_qweight* w, const qacts* a, const float* bias, 
         const int cols = N - n0 < PANEL ? (int)(N - n0) : PANEL;
         int type;
         int64_t rb;
-        const uint8_t* run = panel_run(w, n0, cols, &type, &rb);
+        const uint8_t* run = few_panel(w, n0, N, &type, &rb);
         if (!run) { /* this and the following panels that are not such runs, as pairs */
             int64_t q = p + 1;
-            for (int t; q < p_hi; ++q) {
-                const int64_t m = q * PANEL;
-                if (panel_run(w, m, N - m < PANEL ? (int)(N - m) : PANEL, &t, &rb)) break;
-            }
+            int t;
+            while (q < p_hi && !few_panel(w, q * PANEL, N, &t, &rb)) ++q;
             const int rc = qlinear_panels(w, a, bias, y, m0, m1, p, q, N, K, f32);
             if (rc) return rc;
             p = q - 1;
             continue;
         }
-        const float* xs = type == T_Q4_K ? a->xs32 : a->xs;
-        const int64_t xs_per = type == T_Q4_K ? Kp / 32 : Kp / 16;
+        const int per16 = type == T_Q6_K; /* its steps per 16 inputs, the others' per 32 */
+        const float* xs = per16 ? a->xs : a->xs32;
+        const int64_t xs_per = per16 ? Kp / 16 : Kp / 32;
         for (int64_t r0 = m0; r0 < m1; r0 += FEW_R) {
             const int R = m1 - r0 < FEW_R ? (int)(m1 - r0) : FEW_R;
             prefetcher pf;
             /* the next panel while this one is read, on the last pass over it */
             prefetch_start(&pf, w, n0 + PANEL, r0 + R >= m1 && p + 1 < p_hi ? N : n0 + PANEL, K,
                            Kp / 64);
-            FEW_RUNS[type == T_Q6_K][R](run, rb, a->xq + r0 * Kp, a->dx + r0 * (Kp / 32),
+            FEW_RUNS[few_kind(type)][R](run, rb, a->xq + r0 * Kp, a->dx + r0 * (Kp / 32),
                                         xs + r0 * xs_per, Kp, K, &pf, out);
             store_rows(out, R, r0, p, cols, N, bias, y, f32);
         }
