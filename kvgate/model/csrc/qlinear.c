@@ -558,28 +558,38 @@ static inline void transpose16_regs(__m512i r[16], uint32_t* dst, int64_t ds) {
     transpose16_regs2(r, dst, dst + 8 * ds, ds);
 }
 
-/* transpose16_regs with rows 8-15 of the result at dst8 (rows j >= 8 at dst8 + (j - 8) ds). */
-static inline void transpose16_regs2(__m512i r[16], uint32_t* dst, uint32_t* dst8, int64_t ds) {
+/* r[j] := dword j of the 16 registers (lane i of the result: r[i]'s lane j), in registers. */
+static inline void transpose16_in(__m512i r[16]) {
     __m512i t[16];
-    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: rows i, i + 1 interleaved */
+    for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     }
-    for (int i = 0; i < 16; i += 4) { /* u[i + e]: rows i..i+3 of lane element e */
+    for (int i = 0; i < 16; i += 4) {
         r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
         r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
         r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    for (int e = 0; e < 4; ++e) { /* column 4 L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e] */
+    for (int e = 0; e < 4; ++e) {
         const __m512i a0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
         const __m512i a1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
         const __m512i b0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
         const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
-        _mm512_storeu_si512(dst + (0 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0x88));
-        _mm512_storeu_si512(dst + (4 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0x88));
-        _mm512_storeu_si512(dst8 + (0 + e) * ds, _mm512_shuffle_i32x4(a0, b0, 0xDD));
-        _mm512_storeu_si512(dst8 + (4 + e) * ds, _mm512_shuffle_i32x4(a1, b1, 0xDD));
+        t[e] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+        t[8 + e] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+        t[12 + e] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+    }
+    for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+/* transpose16_regs with rows 8-15 of the result at dst8 (rows j >= 8 at dst8 + (j - 8) ds). */
+static inline void transpose16_regs2(__m512i r[16], uint32_t* dst, uint32_t* dst8, int64_t ds) {
+    transpose16_in(r);
+    for (int j = 0; j < 8; ++j) {
+        _mm512_storeu_si512(dst + j * ds, r[j]);
+        _mm512_storeu_si512(dst8 + j * ds, r[8 + j]);
     }
 }
 
@@ -1871,32 +1881,6 @@ static int qlinear_row1(const kvg_qweight* w, const qacts* a, const float* bias,
 #define FEW_R 8
 /* Calls of fewer rows take qlinear_few; more take the panels (the AMX tiles from 16). */
 #define FEW_BELOW 16
-
-/* r[j] := dword j of the 16 registers (lane i of the result: r[i]'s lane j), in registers. */
-static inline void transpose16_in(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int e = 0; e < 4; ++e) {
-        const __m512i a0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
-        const __m512i a1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
-        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
-        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
-        t[e] = _mm512_shuffle_i32x4(a0, b0, 0x88);
-        t[4 + e] = _mm512_shuffle_i32x4(a1, b1, 0x88);
-        t[8 + e] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
-        t[12 + e] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
-    }
-    for (int j = 0; j < 16; ++j) r[j] = t[j];
-}
 
 /* isum[r] += the products of 4 interleaved registers (inputs i0 .. i0 + 15 of the 16 columns)
  * with row r's x there, broadcast. */
