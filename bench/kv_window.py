@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 from kvgate import LLM, SamplingParams
 from kvgate.engine.kv_cache import KVCacheManager
@@ -36,9 +35,7 @@ from kvgate.model.registry import resolve_model_path
 
 
 class _NoModel:
-    def execute(
-        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return RunnerOutput(sampled_token_ids={s.request_id: 7 for s in out.sequences if s.sample})
 
 

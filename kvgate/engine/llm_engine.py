@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ from kvgate.engine.stats import (
     StatsListener,
     TenantLedger,
 )
+from kvgate.engine.step_handle import RunnerStep
 from kvgate.errors import (
     DuplicateRequestId,
     InvalidConfig,
@@ -61,6 +62,35 @@ class KVPoolInfo:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+@dataclass
+class EngineStep:
+    """A step in flight (``LLMEngine.begin_step``); its owner advances it and ends it
+    (``LLMEngine.end_step``)."""
+
+    sched: SchedulerOutput
+    stats: IterationStats
+    t0: float
+    #: The runner's step (None: it failed to start; ``error`` says why).
+    runner: RunnerStep | None = None
+    #: What failed the step; its requests end with an error when it ends.
+    error: Exception | None = None
+    #: An urgent step ran at one of its pauses (``LLMEngine.step_urgent``).
+    urgent_ran: bool = False
+    #: Ended (``LLMEngine.end_step``).
+    done: bool = False
+
+    def advance(self) -> bool:
+        """Run the step up to its next pause between two layers. True: paused, with more
+        to run; False: nothing left to pause at (``end_step`` runs the rest)."""
+        if self.runner is None or self.error is not None or self.done:
+            return False
+        try:
+            return self.runner.advance()
+        except Exception as exc:  # the step fails its requests when it ends
+            self.error = exc
+            return False
 
 
 @dataclass
@@ -216,13 +246,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_batch_size = 0
         self.ledger = TenantLedger()
-        #: Called between two layers of every step (``AsyncLLM`` sets it: it takes in the
-        #: requests that arrived meanwhile and may call ``step_urgent``). None: not called.
-        self.between_layers: Callable[[], None] | None = None
         #: Times ``recover`` ended every request after an unexpected error.
         self.num_recoveries = 0
-        self._in_step = False
-        self._urgent_ran = False
         #: What other threads read of the engine: replaced whole, never changed in place.
         self.snapshot = EngineSnapshot.capture(self)
 
@@ -346,13 +371,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One whole step: schedule, run, update (no pauses: nothing else runs inside it)."""
+        return self.end_step(self.begin_step())
+
+    def begin_step(self, *, pause: bool = False) -> EngineStep:
+        """Schedule a step and start it; its owner advances it (``EngineStep.advance``) and
+        ends it (``end_step``). ``pause``: the step stops between each two layers, where its
+        owner may add requests and run an urgent step (``step_urgent``)."""
         t0 = time.monotonic()
         stats = IterationStats()
         for request in self.scheduler.expire():
             self._aborted.append(self._final_output(request))
         sched = self.scheduler.schedule()
-        refused, self.scheduler.refused = self.scheduler.refused, []
-        for request in refused:
+        for request in sched.refused:
             self._aborted.append(self._final_output(request))
         self.last_batch_size = stats.batch_size = len(sched.sequences)
         decodes = sum(1 for s in sched.sequences if s.is_decode)
@@ -364,51 +395,59 @@ class LLMEngine:
                 if not decodes
                 else "mixed"
             )
-        self._in_step, self._urgent_ran = True, False
-        try:
-            outputs = self._run(sched, stats, t0, self.between_layers)
-        finally:
-            self._in_step = False
-        if self.drafter is not None and stats.phase == "decode" and not self._urgent_ran:
-            # What a decode step of this many rows costs (drafts are verified only where
-            # their rows pay: ``NgramDrafter.worth``); a step an urgent prefill ran inside
-            # says nothing about it.
-            self.drafter.costs.observe(sched.num_batched_tokens, stats.step_seconds)
-        return outputs
+        return self._start(sched, stats, t0, pause)
 
-    def step_urgent(self) -> list[RequestOutput]:
-        """Between two layers of the step in flight: run the prefill of a request the policy
-        calls urgent now, in a step of its own (``Scheduler.schedule_urgent``), and return
-        its outputs (its first token). At most once per step; [] when there is nothing to do.
+    def step_urgent(self, step: EngineStep) -> list[RequestOutput]:
+        """At a pause of ``step``: run the prefill of a request the policy calls urgent now,
+        in a whole step of its own (``Scheduler.schedule_urgent``), and return its outputs
+        (its first token). At most once per step; [] when there is nothing to do.
 
         Safe because the two steps share nothing: the urgent one takes only free blocks, and
         the step in flight resumes with its own activations and block tables. Aborts must
         wait for the step in flight to end (its blocks are in use), so only additions may
         have been applied meanwhile.
         """
-        if not self._in_step or self._urgent_ran:
+        if step.urgent_ran or step.done:
             return []
         t0 = time.monotonic()
         sched = self.scheduler.schedule_urgent()
         if sched is None:
             return []
-        self._urgent_ran = True
+        step.urgent_ran = True
         stats = IterationStats(phase="prefill", batch_size=1, inside_step=True)
-        return self._run(sched, stats, t0, None)
+        return self.end_step(self._start(sched, stats, t0, pause=False))
 
-    def _run(
-        self,
-        sched: SchedulerOutput,
-        stats: IterationStats,
-        t0: float,
-        between_layers: Callable[[], None] | None,
-    ) -> list[RequestOutput]:
+    def _start(
+        self, sched: SchedulerOutput, stats: IterationStats, t0: float, pause: bool
+    ) -> EngineStep:
         stats.num_batched_tokens = sched.num_batched_tokens
+        step = EngineStep(sched, stats, t0)
         try:
-            runner_out = self.runner.execute(sched, between_layers)
+            step.runner = self.runner.start(sched, pause)
         except Exception as exc:  # a failed step fails its requests, never the engine loop
-            log.exception("model step failed; failing its %d requests", len(sched.sequences))
-            outputs = self._fail_step(sched, exc, stats)
+            step.error = exc
+        return step
+
+    def end_step(self, step: EngineStep) -> list[RequestOutput]:
+        """Run what is left of ``step``, update the requests with its tokens, and return
+        their outputs (and those of requests that ended before it ran)."""
+        sched, stats = step.sched, step.stats
+        runner_out = None
+        if step.error is None:
+            assert step.runner is not None
+            try:
+                runner_out = step.runner.finish()
+            except Exception as exc:
+                step.error = exc
+        step.done = True
+        if runner_out is None:
+            assert step.error is not None
+            log.exception(
+                "model step failed; failing its %d requests",
+                len(sched.sequences),
+                exc_info=step.error,
+            )
+            outputs = self._fail_step(sched, step.error, stats)
         else:
             touched = self.scheduler.update(sched, runner_out)
             self.num_steps += 1
@@ -418,7 +457,7 @@ class LLMEngine:
                     stats.num_draft_tokens += seq.num_draft
                     stats.num_accepted_tokens += len(runner_out.accepted.get(seq.request_id, ()))
             outputs = self._collect(touched, runner_out, stats)
-        stats.step_seconds = time.monotonic() - t0
+        stats.step_seconds = time.monotonic() - step.t0
         self.ledger.record(stats, self.kv_cache.tenant_blocks)
         # Each request's KV block-seconds, for its usage record (the blocks it held over
         # this step, whether it ran or waited preempted with blocks).
@@ -429,6 +468,11 @@ class LLMEngine:
         self.publish()
         for listener in self.listeners:
             listener.on_step(stats)
+        if self.drafter is not None and stats.phase == "decode" and not step.urgent_ran:
+            # What a decode step of this many rows costs (drafts are verified only where
+            # their rows pay: ``NgramDrafter.worth``); a step an urgent prefill ran inside
+            # says nothing about it.
+            self.drafter.costs.observe(sched.num_batched_tokens, stats.step_seconds)
         return outputs
 
     def _fail_step(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.llm_engine import EngineStep, LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import TenantShare
 from kvgate.engine.request import Request
@@ -89,7 +89,6 @@ class EngineLoop:
         # Commands taken off the queue inside a step but applied only after it (see
         # _between_layers); the engine thread alone touches this list.
         self._deferred: list[Command] = []
-        engine.between_layers = self._between_layers
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
 
     def start(self) -> None:
@@ -120,7 +119,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     continue
                 try:
-                    outputs = self.engine.step()
+                    outputs = self._step()
                 except Exception as exc:
                     self._recover(exc)
                     continue
@@ -150,11 +149,19 @@ class EngineLoop:
             )
         self.sink.published()
 
-    def _between_layers(self) -> None:
-        """Inside a step, between two of its layers: take in requests that arrived, and let
-        the engine run an urgent one's prefill now (``LLMEngine.step_urgent``) instead of
-        after the step. Aborts and calls wait for the step's end: the step in flight still
-        uses its requests' blocks."""
+    def _step(self) -> list[RequestOutput]:
+        """One step, owned here: advanced layer by layer, with new work looked at between
+        each two layers (``_between_layers``), then ended."""
+        step = self.engine.begin_step(pause=True)
+        while step.advance():
+            self._between_layers(step)
+        return self.engine.end_step(step)
+
+    def _between_layers(self, step: EngineStep) -> None:
+        """Inside ``step``, between two of its layers: take in requests that arrived, and
+        let the engine run an urgent one's prefill now (``LLMEngine.step_urgent``) instead
+        of after the step. Aborts and calls wait for the step's end: the step in flight
+        still uses its requests' blocks."""
         if self._commands.empty():
             return
         while True:
@@ -166,7 +173,7 @@ class EngineLoop:
                 self._add(cmd.request)
             else:
                 self._deferred.append(cmd)
-        urgent = self.engine.step_urgent()
+        urgent = self.engine.step_urgent(step)
         if urgent:
             self.sink.outputs(urgent)
 

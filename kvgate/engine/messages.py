@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.engine.request import Request
 from kvgate.sampling_params import SamplingParams
 
 
@@ -73,6 +74,10 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)
     #: Requests pushed back to waiting (recompute) during this schedule.
     preempted_request_ids: tuple[str, ...] = ()
+    #: Requests this schedule ended because they can never run (e.g. over their tenant's
+    #: KV ceiling with nothing to wait for); the engine reports them, the runner never
+    #: saw them.
+    refused: tuple[Request, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable, Mapping
+from collections.abc import Generator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import llguidance
@@ -22,6 +23,7 @@ from kvgate.engine.messages import (
     TokenLogprobs,
 )
 from kvgate.engine.sampler import Sampler, SamplingState
+from kvgate.engine.step_handle import RunnerStep
 from kvgate.engine.verify import Drafted, DraftVerifier
 from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.kv_layout import KVGroup, KVLayout
@@ -136,19 +138,17 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.states: dict[str, _RequestState] = {}
 
-    def execute(
-        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> RunnerOutput:
-        """Run one step. ``between_layers``: called at each pause between two layers of the
-        model's forward (``Model.stepwise``), which is suspended meanwhile, not on the stack:
-        the engine may run a whole other step there."""
+    def start(self, out: SchedulerOutput, pause: bool = False) -> RunnerStep:
+        """Begin one step: its requests' state is updated and its batch built now; its
+        forward and sampling run as the returned handle is advanced (``step_handle.py``).
+        ``pause``: suspend the forward between each two layers (``Model.stepwise``), so its
+        owner may run a whole other step there."""
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
             self._remember(new)
         if out.is_empty:
-            return RunnerOutput(sampled_token_ids={})
-
+            return RunnerStep.done(RunnerOutput(sampled_token_ids={}))
         batch = self.build_batch(out.sequences)
         # Constrained rows' masks are computed on llguidance's threads during the forward
         # (a speculating request's rows one by one after it: ``verify.py``).
@@ -159,7 +159,27 @@ class ModelRunner:
             if (matcher := self.states[rid].matcher) is not None
         ]
         masks = self._mask_builder().start([m for _, m in guided]) if guided else None
-        hidden = self._forward(batch, between_layers)
+        allowed = None if masks is None else ([row for row, _ in guided], masks)
+        return RunnerStep(self._run(batch, [rid for _, rid in plain], allowed, pause))
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one whole step, without pauses."""
+        return self.start(out).finish()
+
+    def _run(
+        self,
+        batch: FlatBatch,
+        plain: list[str],
+        guided: tuple[list[int], Future[np.ndarray]] | None,
+        pause: bool,
+    ) -> Generator[None, None, RunnerOutput]:
+        """The step's forward (pausing between layers with ``pause``), then its tokens:
+        ``plain``: the sequences sampling one token (in ``batch.sample_ids`` order, drafts
+        left out); ``guided``: their constrained rows (indices into ``plain``) and the masks
+        being computed for them."""
+        hidden = yield from self.model.stepwise(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta, pause, batch.roles
+        )
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -167,12 +187,10 @@ class ModelRunner:
         if plain:
             rows = logits
             if batch.drafts:
-                index = torch.tensor([i for i, _ in plain], dtype=torch.int64)
-                rows = logits.index_select(0, index.to(logits.device))
-            allowed = None
-            if masks is not None:
-                allowed = ([row for row, _ in guided], masks.result())
-            self._sample(rows, [rid for _, rid in plain], allowed, result)
+                index = [i for i, rid in enumerate(batch.sample_ids) if rid not in batch.drafts]
+                rows = logits.index_select(0, torch.tensor(index, device=logits.device))
+            allowed = None if guided is None else (guided[0], guided[1].result())
+            self._sample(rows, plain, allowed, result)
         if batch.drafts:
             self._verify(logits, batch, result)
         return result.output()
@@ -189,28 +207,6 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without grammars")
             state.matcher = self.grammars.matcher(new.params.grammar)
         self.states[new.request_id] = state
-
-    def _forward(self, batch: FlatBatch, between_layers: Callable[[], None] | None) -> torch.Tensor:
-        """The model's final hidden states [T, H], pausing between layers for the hook."""
-        layers = self.model.stepwise(
-            batch.input_ids,
-            batch.positions,
-            self.kv_caches,
-            batch.meta,
-            between_layers is not None,
-            batch.roles,
-        )
-        try:
-            while True:
-                try:
-                    next(layers)
-                except StopIteration as done:
-                    hidden: torch.Tensor = done.value
-                    return hidden
-                assert between_layers is not None
-                between_layers()
-        finally:
-            layers.close()  # a hook that raised leaves no half-run forward behind
 
     def _sample(
         self,

@@ -63,6 +63,11 @@ class _Draft:
     blocked: set[str] = field(default_factory=set)
     #: Running requests preempted others to grow in this step (the pool is tight).
     grew: bool = False
+    #: An urgent step (``Scheduler.schedule_urgent``): it runs inside the step in flight, so
+    #: it preempts and refuses nobody, and takes a prompt whole or not at all.
+    urgent: bool = False
+    #: Requests ended because they can never run.
+    refused: list[Request] = field(default_factory=list)
 
     def take(self, seq: ScheduledSequence) -> None:
         self.scheduled[seq.request_id] = seq
@@ -89,8 +94,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
-        #: Requests ended by ``schedule()`` itself (they can never run); the engine reports them.
-        self.refused: list[Request] = []
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
         #: Sequences that may run beyond ``max_num_seqs`` (see the module docstring), and the
@@ -194,16 +197,46 @@ class Scheduler:
         # the step left (speculation never delays, starves or preempts anyone).
         if self.drafter is not None and not step.grew:
             self._add_drafts(step)
+        return self._output(step)
+
+    def schedule_urgent(self) -> SchedulerOutput | None:
+        """A step to run inside the step in flight, between two of its layers, for the one
+        waiting request the policy calls urgent (``policy.urgent``); None if there is none.
+
+        The same admission as a normal step's (``_consider``), in a step set aside for the
+        request, but only what cannot disturb the step in flight: from free blocks, nothing
+        preempted or refused, and the step in flight's requests left exactly as they are:
+
+        - the request's whole prompt, so it ends with the first token, of up to twice the
+          step's token budget (one longer step of its own delays the step in flight less
+          than two chunks queued behind full steps would delay the request);
+        - with every regular sequence slot taken, it takes a spare slot, as a normal step
+          would, and only where a normal step would (the policy names a victim); with none
+          spare it does not run (a normal step would have preempted for it).
+        """
+        candidate = self.policy.urgent(self.running)
+        if candidate is None:
+            return None
+        self.policy.on_urgent_offered(candidate)
+        step = _Draft(self.config.max_num_batched_tokens, urgent=True)
+        self._consider(step, candidate, StepPlan((), candidate.tenant))
+        return self._output(step) if step.scheduled else None
+
+    def _output(self, step: _Draft) -> SchedulerOutput:
+        """The drafted step, as the runner's message; its tenants charged for it."""
         for seq in step.scheduled.values():
             # A draft's rows are not charged: the tokens the model accepts are free.
             self.policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens - seq.num_draft)
-        finished = frozenset(self._finished_since_last_step)
-        self._finished_since_last_step.clear()
+        finished: frozenset[str] = frozenset()
+        if not step.urgent:  # the step in flight's runner still holds their state
+            finished = frozenset(self._finished_since_last_step)
+            self._finished_since_last_step.clear()
         return SchedulerOutput(
             sequences=tuple(step.scheduled.values()),
             new_requests=tuple(step.new_requests),
             finished_request_ids=finished,
             preempted_request_ids=tuple(step.preempted),
+            refused=tuple(step.refused),
         )
 
     def _run(self, step: _Draft, order: Iterable[Request]) -> None:
@@ -278,6 +311,8 @@ class Scheduler:
         # urgent step: it ends with the first token, where a chunk would leave the rest to the
         # next step, behind a full step of other work.
         room = step.budget + (self.config.max_num_batched_tokens if plan.owns(candidate) else 0)
+        if step.urgent and not 0 < num_new <= room:
+            return False  # whole or not at all
         if num_new > room:
             num_new = step.budget
         extra = kv.num_blocks_to_add(candidate, num_new, hits)
@@ -290,6 +325,8 @@ class Scheduler:
             if victim is None:
                 return False
             if len(self.spare) >= self.num_spare_slots:
+                if step.urgent:
+                    return False  # it would preempt: a normal step's business
                 self._preempt_for(step, victim, Need.SLOT)
                 return True
         need = self._need_of(candidate, extra)
@@ -297,6 +334,8 @@ class Scheduler:
             self._admit(candidate, num_hit_tokens, step.new_requests, takes_spare)
             step.take(self._sequence(candidate, num_new))
             return True
+        if step.urgent:
+            return False  # a normal step preempts or refuses for it, if anything
         victim = self._victim(candidate, need or Need.POOL, extra, admitting=True)
         if victim is not None:
             self._preempt_for(step, victim, need or Need.POOL)
@@ -305,7 +344,7 @@ class Scheduler:
             # ceiling was lowered under it). End it rather than let it wait for ever.
             candidate.error = f"the request needs {extra} KV blocks, over its tenant's kv_ceiling"
             self.finish_requests([candidate.request_id], RequestStatus.FINISHED_ERROR)
-            self.refused.append(candidate)
+            step.refused.append(candidate)
         elif need is Need.QUOTA:
             step.blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
         else:
@@ -348,51 +387,6 @@ class Scheduler:
         if extra_blocks > kv.pool.num_free_blocks:
             return Need.POOL
         return None
-
-    def schedule_urgent(self) -> SchedulerOutput | None:
-        """A step to run inside the step in flight, between two of its layers, for the one
-        waiting request the policy calls urgent (``policy.urgent``); None if there is none.
-
-        Only what cannot disturb the step in flight, from free blocks; nothing is preempted
-        and the step in flight's requests are left exactly as they are:
-
-        - the request's whole prompt, so it ends with the first token, of up to twice the
-          step's token budget (one longer step of its own delays the step in flight less
-          than two chunks queued behind full steps would delay the request);
-        - with every regular sequence slot taken, it takes a spare slot, as a normal step
-          would, and only where a normal step would (the policy names a victim); with none
-          spare it does not run (a normal step would have preempted for it).
-        """
-        candidate = self.policy.urgent(self.running)
-        if candidate is None:
-            return None
-        self.policy.on_urgent_offered(candidate)
-        kv, cfg = self.kv_cache, self.config
-        hits, num_hit_tokens = kv.get_computed_blocks(candidate)
-        num_new = candidate.num_tokens - num_hit_tokens
-        if not 0 < num_new <= 2 * cfg.max_num_batched_tokens:
-            return None
-        extra = kv.num_blocks_to_add(candidate, num_new, hits)
-        if self._need_of(candidate, extra) is not None:
-            return None
-        spare = self._slots_full()
-        if spare and (
-            len(self.spare) >= self.num_spare_slots
-            or self._victim(candidate, Need.SLOT, extra, admitting=True) is None
-        ):
-            return None
-        if not kv.allocate_slots(candidate, num_new, hits):
-            return None
-        new_requests: list[NewRequestData] = []
-        self._admit(candidate, num_hit_tokens, new_requests, spare)
-        seq = self._sequence(candidate, num_new)
-        self.policy.on_scheduled(candidate, num_new)
-        return SchedulerOutput(
-            sequences=(seq,),
-            new_requests=tuple(new_requests),
-            finished_request_ids=frozenset(),
-            preempted_request_ids=(),
-        )
 
     def _admit(
         self,

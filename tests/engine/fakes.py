@@ -11,6 +11,7 @@ from kvgate.engine.messages import RunnerOutput, SchedulerOutput
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.step_handle import RunnerStep
 from kvgate.sampling_params import SamplingParams
 
 
@@ -23,12 +24,8 @@ class FakeRunner:
         self.block_size = block_size
         self.steps: list[SchedulerOutput] = []
 
-    def execute(
-        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps.append(out)
-        if between_layers is not None:
-            between_layers()  # the real model calls it between each two of its layers
         for seq in out.sequences:
             # Every token of the step must have a slot in the sequence's block table.
             assert seq.context_len <= len(seq.block_ids) * self.block_size, seq
@@ -37,6 +34,9 @@ class FakeRunner:
                 s.request_id: self.rng.randrange(self.vocab) for s in out.sequences if s.sample
             }
         )
+
+    def start(self, out: SchedulerOutput, pause: bool = False) -> RunnerStep:
+        return RunnerStep.done(self.execute(out))
 
 
 def make_scheduler(

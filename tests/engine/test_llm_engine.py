@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import pytest
 from kvgate.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput
+from kvgate.engine.step_handle import RunnerStep
 from kvgate.errors import (
     CorruptWeights,
     DuplicateRequestId,
@@ -177,31 +178,43 @@ def test_cancel_storm_on_the_real_engine(engine: LLMEngine) -> None:
 
 
 class _PoisonRunner:
-    """Wraps the real runner; the step containing the poisoned request raises."""
+    """Wraps the real runner; the step containing the poisoned request raises: as it starts,
+    or at its first pause between two layers (``inside``)."""
 
-    def __init__(self, inner: Any, poison: str) -> None:
+    def __init__(self, inner: Any, poison: str, inside: bool) -> None:
         self.inner = inner
         self.poison = poison
+        self.inside = inside
 
-    def execute(
-        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> RunnerOutput:
-        if any(s.request_id == self.poison for s in out.sequences):
+    def start(self, out: SchedulerOutput, pause: bool = False) -> RunnerStep:
+        step: RunnerStep = self.inner.start(out, pause)
+        if not any(s.request_id == self.poison for s in out.sequences):
+            return step
+        if not self.inside:
             raise RuntimeError("simulated kernel failure")
-        result: RunnerOutput = self.inner.execute(out, between_layers)
-        return result
+
+        def fails_inside() -> Generator[None, None, RunnerOutput]:
+            step.advance()
+            yield
+            step.close()
+            raise RuntimeError("simulated kernel failure")
+
+        return RunnerStep(fails_inside())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("inside", [False, True], ids=["at-start", "inside-the-forward"])
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(
+    tiny_llama_dir: Path, inside: bool
+) -> None:
     eng = LLMEngine(
         EngineConfig(
             model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256
         )
     )
-    eng.runner = _PoisonRunner(eng.runner, "poison")  # type: ignore[assignment]
+    eng.runner = _PoisonRunner(eng.runner, "poison", inside)  # type: ignore[assignment]
     prompt = list(range(1000, 1040))  # two full blocks: cacheable, had the step succeeded
     eng.add_request("poison", prompt, SamplingParams(max_tokens=4))
     outs = _drain(eng)

@@ -8,6 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgate.engine.messages import SchedulerOutput
 from kvgate.engine.policy import StepPlan, TenantFairPolicy, TenantShare
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.scheduler import Scheduler
@@ -25,27 +26,26 @@ def req(rid: str, tenant: str, prompt_len: int = 8, max_tokens: int = 8, **kw: o
     return Request(rid, prompt, params, tenant=tenant, **kw)  # type: ignore[arg-type]
 
 
-def step(sched: Scheduler, runner: FakeRunner, urgent: bool = False) -> None:
-    """One engine step; ``urgent``: run ``schedule_urgent`` inside it, as the engine does
-    between two layers, checking that it never writes a block the step in flight writes."""
+def step(sched: Scheduler, runner: FakeRunner, urgent: bool = False) -> SchedulerOutput:
+    """One engine step (its schedule is returned); ``urgent``: run ``schedule_urgent``
+    inside it, as the engine does at a pause between two layers, checking that it never
+    writes a block the step in flight writes."""
     out = sched.schedule()
-
-    def between_layers() -> None:
+    if urgent:
         inner = sched.schedule_urgent()
-        if inner is None:
-            return
-        bs = sched.kv_cache.block_size
-        written = {
-            seq.block_ids[pos // bs]
-            for seq in out.sequences
-            for pos in range(seq.start_pos, seq.start_pos + seq.num_tokens)
-        }
-        (seq,) = inner.sequences
-        assert not written & set(seq.block_ids)
-        assert seq.sample  # its whole prompt: it ends with the first token
-        sched.update(inner, runner.execute(inner))
-
-    sched.update(out, runner.execute(out, between_layers if urgent else None))
+        if inner is not None:
+            bs = sched.kv_cache.block_size
+            written = {
+                seq.block_ids[pos // bs]
+                for seq in out.sequences
+                for pos in range(seq.start_pos, seq.start_pos + seq.num_tokens)
+            }
+            (seq,) = inner.sequences
+            assert not written & set(seq.block_ids)
+            assert seq.sample  # its whole prompt: it ends with the first token
+            sched.update(inner, runner.execute(inner))
+    sched.update(out, runner.execute(out))
+    return out
 
 
 def fair(shares: dict[str, TenantShare]) -> TenantFairPolicy:
@@ -435,10 +435,9 @@ def test_a_request_over_a_lowered_ceiling_ends_instead_of_waiting_for_ever() -> 
     sched.add_request(req("r", "t", prompt_len=20, max_tokens=8))  # 5 blocks for its prompt
     step(sched, runner)
     policy.update({"t": TenantShare(ceiling_blocks=3)}, TenantShare())  # a reload lowers it
-    for _ in range(3):
-        step(sched, runner)
+    refused = [r for _ in range(3) for r in step(sched, runner).refused]
     assert not sched.num_unfinished
-    (ended,) = sched.refused
+    (ended,) = refused
     assert ended.status == RequestStatus.FINISHED_ERROR and "kv_ceiling" in (ended.error or "")
     assert sched.kv_cache.pool.num_used_blocks == 0
 

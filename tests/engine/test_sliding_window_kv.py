@@ -5,7 +5,6 @@ prefill, prefix hits, preemption and aborts)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,9 +32,7 @@ class WindowRunner:
         self.bs = block_size
         self.rng = random.Random(seed)
 
-    def execute(
-        self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for seq in out.sequences:
             for group, table in zip(LAYOUT.groups, seq.tables, strict=True):
                 first_query = seq.start_pos

@@ -14,7 +14,7 @@ import pytest
 
 from kvgate.config import EngineConfig
 from kvgate.engine.async_llm import AsyncLLM
-from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.llm_engine import EngineStep
 from kvgate.errors import EngineDead, RequestFailed
 from kvgate.sampling_params import SamplingParams
 
@@ -41,15 +41,15 @@ async def _run(llm: AsyncLLM, prompt: list[int], params: SamplingParams = GREEDY
 def _fail_steps(llm: AsyncLLM, times: int) -> list[int]:
     """Make the next ``times`` engine steps raise; returns the count of raised errors."""
     raised: list[int] = []
-    step = llm.engine.step
+    begin = llm.engine.begin_step
 
-    def failing() -> list[RequestOutput]:
+    def failing(*, pause: bool = False) -> EngineStep:
         if len(raised) < times:
             raised.append(1)
             raise RuntimeError("simulated scheduler bug")
-        return step()
+        return begin(pause=pause)
 
-    llm.engine.step = failing  # type: ignore[method-assign]
+    llm.engine.begin_step = failing  # type: ignore[method-assign]
     return raised
 
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.llm_engine import EngineStep, LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import FifoPolicy, SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_config
+from tests.engine.stepping import paused_step
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
 QUIET_PROMPT = list(range(300, 337))
@@ -44,12 +45,11 @@ def _run(engine: LLMEngine, arrive_in_step: int | None) -> dict[str, list[Reques
     inside: list[tuple[int, list[RequestOutput]]] = []
     step = 0
 
-    def between_layers() -> None:
+    def at_pause(in_flight: EngineStep) -> None:
         if step == arrive_in_step and not inside:
             engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
-            inside.append((step, engine.step_urgent()))
+            inside.append((step, engine.step_urgent(in_flight)))
 
-    engine.between_layers = between_layers
     if arrive_in_step is None:
         engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
     else:
@@ -57,7 +57,7 @@ def _run(engine: LLMEngine, arrive_in_step: int | None) -> dict[str, list[Reques
             prompt = list(range(100 + 40 * i, 160 + 40 * i))
             engine.add(engine.make_request(f"flood-{i}", prompt, GREEDY, tenant="flooder"))
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in paused_step(engine, at_pause):
             outs.setdefault(o.request_id, []).append(o)
         step += 1
     for _, urgent in inside:
@@ -95,16 +95,18 @@ def test_at_most_one_urgent_step_per_step_and_never_with_fifo(tiny_llama_dir: Pa
     engine.step()
     urgent_outputs: list[list[Any]] = []
 
-    def between_layers() -> None:
+    in_flight: list[EngineStep] = []
+
+    def at_pause(step: EngineStep) -> None:
         for i in range(2):
             rid = f"quiet-{len(urgent_outputs)}-{i}"
             engine.add(engine.make_request(rid, QUIET_PROMPT, GREEDY, tenant=f"quiet{i}"))
-        urgent_outputs.append(engine.step_urgent())
+        urgent_outputs.append(engine.step_urgent(step))
+        in_flight.append(step)
 
-    engine.between_layers = between_layers
-    engine.step()
+    paused_step(engine, at_pause)
     assert sum(len(o) for o in urgent_outputs) == 1  # one urgent step, then never again
-    assert engine.step_urgent() == []  # outside a step: nothing runs
+    assert engine.step_urgent(in_flight[0]) == []  # after its step ended: nothing runs
 
 
 @pytest.mark.parametrize("guaranteed", [0, 64])
@@ -122,24 +124,21 @@ def test_with_every_slot_taken_it_runs_one_over_only_where_it_could_preempt(
     assert len(engine.scheduler.running) == 2
     got: list[RequestOutput] = []
 
-    def between_layers() -> None:
+    def at_pause(step: EngineStep) -> None:
         if not engine.scheduler.requests.get("quiet"):
             engine.add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet"))
-            got.extend(engine.step_urgent())
+            got.extend(engine.step_urgent(step))
 
-    engine.between_layers = between_layers
-    engine.step()
+    paused_step(engine, at_pause)
     if guaranteed:
         assert [o.request_id for o in got] == ["quiet"]
         assert len(engine.scheduler.running) == 3 and engine.scheduler.spare == {"quiet"}
         engine.add(engine.make_request("late", list(range(50, 60)), GREEDY, tenant="flooder"))
-        engine.between_layers = None
         engine.step()  # regular slots full: no admission until a flooder request ends
         assert engine.scheduler.requests["late"].first_scheduled_time is None
     else:
         assert got == []
         assert len(engine.scheduler.running) == 2
-    engine.between_layers = None
     while engine.has_unfinished():
         engine.step()
     assert engine.kv_cache.pool.num_used_blocks == 0

@@ -13,6 +13,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.model import cpu_isa
 from kvgate.model.native_decode import NativeDecode
 from kvgate.sampling_params import SamplingParams
+from tests.engine.stepping import paused_step
 from tests.model.isa import vector_levels, vector_path
 
 levels = pytest.mark.parametrize("level", vector_levels())
@@ -43,9 +44,12 @@ def _engine(model_dir: Path, quantization: str | None) -> LLMEngine:
     return eng
 
 
-def _run(eng: LLMEngine, record: list[torch.Tensor]) -> dict[str, list[int]]:
+def _run(
+    eng: LLMEngine, record: list[torch.Tensor], pauses: list[int] | None = None
+) -> dict[str, list[int]]:
     """Three sequences of different lengths (block edges crossed while decoding), greedy;
-    every decode step's final hidden states go to ``record``."""
+    every decode step's final hidden states go to ``record``. ``pauses``: the steps are
+    advanced layer by layer, as the engine loop does, and each pause is counted there."""
     stepwise = eng.model.stepwise
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -61,7 +65,8 @@ def _run(eng: LLMEngine, record: list[torch.Tensor]) -> dict[str, list[int]]:
         eng.add_request(rid, list(range(300, 300 + n)), greedy)
     tokens: dict[str, list[int]] = {}
     while eng.has_unfinished():
-        for o in eng.step():
+        outs = eng.step() if pauses is None else paused_step(eng, lambda _: pauses.append(1))
+        for o in outs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     return tokens
 
@@ -82,28 +87,27 @@ def test_native_decode_layers_equal_the_per_op_path(
     calls = []
     run = native.run
     native.run = lambda step, l0, l1: (calls.append((l0, l1)), run(step, l0, l1))[1]  # type: ignore[method-assign]
-    between: list[int] = []
-    native_eng.between_layers = lambda: between.append(1)  # the server's urgent-step hook
+    between: list[int] = []  # the pauses, where the engine loop looks for urgent work
 
     per_op_eng = _engine(tiny_llama_dir, quantization)
     per_op_eng.model.native_decode = None
 
     got_h: list[torch.Tensor] = []
     want_h: list[torch.Tensor] = []
-    got = _run(native_eng, got_h)
+    got = _run(native_eng, got_h, between)
     want = _run(per_op_eng, want_h)
     assert got == want
     assert len(got_h) == len(want_h) > 20
     for g, w in zip(got_h, want_h, strict=True):
         assert torch.equal(g, w)
     layers = len(native_eng.model.layers)
-    # Layer by layer when there is a hook to run between them, and the hook ran between.
+    # Layer by layer when the step pauses between them, and it paused between each two.
     assert set(calls) == {(i, i + 1) for i in range(layers)}
     assert len(between) >= len(got_h) * (layers - 1)
 
 
 @levels
-def test_native_decode_runs_all_layers_in_one_call_without_a_hook(
+def test_native_decode_runs_all_layers_in_one_call_in_a_step_without_pauses(
     level: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if level == "generic":
