@@ -106,7 +106,7 @@ class _OutputState:
 
 class LLMEngine:
     """``listeners`` receive an ``IterationStats`` after every step (metrics exporters);
-    ``policy`` orders and entitles requests (FIFO when None; see ``engine/policy.py``)."""
+    ``policy`` orders and entitles requests (FIFO when None; see ``engine/policy``)."""
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ from kvgate.engine.messages import (
     ScheduledSequence,
     SchedulerOutput,
 )
-from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy, StepPlan
+from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy, StepPlan, WaitingQueue
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.errors import GRAMMAR_FAILED
 
@@ -75,7 +75,7 @@ class _Draft:
 
 
 class Scheduler:
-    """``policy`` decides order and entitlement (see ``engine/policy.py``); FIFO by default."""
+    """``policy`` decides order and entitlement (see ``engine/policy``); FIFO by default."""
 
     def __init__(
         self,
@@ -90,6 +90,9 @@ class Scheduler:
         self.drafter = drafter
         self.kv_cache = kv_cache
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
+        self.queue = self.policy.queue
+        self.entitlement = self.policy.entitlement
+        self.planner = self.policy.planner
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -113,9 +116,9 @@ class Scheduler:
         self.num_finished = 0
 
     @property
-    def waiting(self) -> SchedulingPolicy:
+    def waiting(self) -> WaitingQueue:
         """The waiting requests (the policy keeps them, in its own order)."""
-        return self.policy
+        return self.queue
 
     @property
     def num_unfinished(self) -> int:
@@ -126,7 +129,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.policy.add(request)
+        self.planner.on_arrived(request)
+        self.queue.add(request)
         self.num_added += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -140,7 +144,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.policy.remove(request)
+                self.queue.remove(request)
             self._end(request, status)
             ended.append(request)
         return ended
@@ -151,7 +155,7 @@ class Scheduler:
         now = self.clock()
         queue_timeouts = [
             r.request_id
-            for r in self.policy
+            for r in self.queue
             if r.queue_deadline is not None
             and r.queue_deadline < now
             and r.first_scheduled_time is None
@@ -172,21 +176,21 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
-        self.policy.on_finished(request)
+        self.planner.on_finished(request)
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_since_last_step.add(request.request_id)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
-        plan = self.policy.plan(self.running)
-        self.policy.on_step(plan)
+        plan = self.planner.plan(self.running)
+        self.planner.on_step(plan)
         step = _Draft(self.config.max_num_batched_tokens)
         # 1. Running requests, in the plan's order (it may bench some for one step).
         self._run(step, plan.running)
         # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
         while step.budget > 0:
-            candidate = self.policy.pick(step.blocked, plan)
+            candidate = self.queue.pick(step.blocked, plan)
             if candidate is None or not self._consider(step, candidate, plan):
                 break
         # A step set aside for a newcomer that could not be admitted after all would run
@@ -201,7 +205,7 @@ class Scheduler:
 
     def schedule_urgent(self) -> SchedulerOutput | None:
         """A step to run inside the step in flight, between two of its layers, for the one
-        waiting request the policy calls urgent (``policy.urgent``); None if there is none.
+        waiting request the policy calls urgent (``Planner.urgent``); None if there is none.
 
         The same admission as a normal step's (``_consider``), in a step set aside for the
         request, but only what cannot disturb the step in flight: from free blocks, nothing
@@ -214,10 +218,10 @@ class Scheduler:
           would, and only where a normal step would (the policy names a victim); with none
           spare it does not run (a normal step would have preempted for it).
         """
-        candidate = self.policy.urgent(self.running)
+        candidate = self.planner.urgent(self.running)
         if candidate is None:
             return None
-        self.policy.on_urgent_offered(candidate)
+        self.planner.on_urgent_offered(candidate)
         step = _Draft(self.config.max_num_batched_tokens, urgent=True)
         self._consider(step, candidate, StepPlan((), candidate.tenant))
         return self._output(step) if step.scheduled else None
@@ -226,7 +230,7 @@ class Scheduler:
         """The drafted step, as the runner's message; its tenants charged for it."""
         for seq in step.scheduled.values():
             # A draft's rows are not charged: the tokens the model accepts are free.
-            self.policy.on_scheduled(self.requests[seq.request_id], seq.num_tokens - seq.num_draft)
+            self.planner.on_scheduled(self.requests[seq.request_id], seq.num_tokens - seq.num_draft)
         finished: frozenset[str] = frozenset()
         if not step.urgent:  # the step in flight's runner still holds their state
             finished = frozenset(self._finished_since_last_step)
@@ -356,7 +360,7 @@ class Scheduler:
     ) -> Request | None:
         """The policy's victim for ``request``, which needs ``extra`` more blocks: a waiting
         request to admit (``admitting``) or a running one that must grow."""
-        return self.policy.victim(
+        return self.entitlement.victim(
             request, self.running, self.kv_cache.tenant_blocks, need,
             admitting=admitting, extra_blocks=extra,
         )  # fmt: skip
@@ -382,7 +386,7 @@ class Scheduler:
         """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
         kv = self.kv_cache
         held = kv.tenant_blocks.get(request.tenant, 0)
-        if not self.policy.may_hold(request.tenant, held + extra_blocks):
+        if not self.entitlement.may_hold(request.tenant, held + extra_blocks):
             return Need.QUOTA
         if extra_blocks > kv.pool.num_free_blocks:
             return Need.POOL
@@ -396,7 +400,7 @@ class Scheduler:
         spare: bool = False,
     ) -> None:
         """``spare``: it runs in a spare slot, until it ends or is preempted."""
-        self.policy.remove(request)
+        self.queue.remove(request)
         self.kv_cache.record_prefix_lookup(request.tenant, request.num_tokens, num_hit_tokens)
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -438,7 +442,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.policy.requeue(request)
+        self.queue.requeue(request)
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens (after a speculating sequence's

@@ -334,29 +334,30 @@ def _busy(
 
 def test_the_policy_answers_questions_and_is_told_what_ran() -> None:
     """``plan``, ``pick`` and ``urgent`` change nothing, however often or in whatever order they
-    are asked; only ``on_step`` / ``on_urgent_offered`` make the next step a normal one."""
+    are asked; only the planner's ``on_step`` / ``on_urgent_offered`` make the next step a
+    normal one."""
     policy = fair({})
     sched, _ = _busy(policy, 2, budget=64, max_tokens=50)
     sched.add_request(req("b-next", "busy"))
     sched.add_request(req("q", "quiet"))
-    plans = [policy.plan(sched.running) for _ in range(3)]
+    plans = [policy.planner.plan(sched.running) for _ in range(3)]
     assert plans[0] == plans[1] == plans[2]
     plan = plans[0]
     assert plan.exclusive == "quiet" and plan.running == ()  # busy's decodes sit out
     for _ in range(2):
-        assert policy.urgent(sched.running) is sched.requests["q"]
-        assert policy.pick(set(), plan) is sched.requests["q"]  # only quiet, in its step
-        assert policy.pick({"quiet"}, plan) is None
+        assert policy.planner.urgent(sched.running) is sched.requests["q"]
+        assert policy.queue.pick(set(), plan) is sched.requests["q"]  # only quiet, in its step
+        assert policy.queue.pick({"quiet"}, plan) is None
     normal = StepPlan(tuple(sched.running))  # a plan with no step set aside
-    assert policy.pick({"quiet"}, normal) is sched.requests["b-next"]
-    policy.on_step(plan)
-    after = policy.plan(sched.running)
+    assert policy.queue.pick({"quiet"}, normal) is sched.requests["b-next"]
+    policy.planner.on_step(plan)
+    after = policy.planner.plan(sched.running)
     assert after.exclusive is None and len(after.running) == 2  # never two in a row
-    assert policy.urgent(sched.running) is None
-    policy.on_step(after)
-    assert policy.plan(sched.running) == plan  # still owed: the step after next is its own
-    policy.on_urgent_offered(sched.requests["q"])
-    assert policy.plan(sched.running).exclusive is None
+    assert policy.planner.urgent(sched.running) is None
+    policy.planner.on_step(after)
+    assert policy.planner.plan(sched.running) == plan  # still owed: the step after next is its own
+    policy.planner.on_urgent_offered(sched.requests["q"])
+    assert policy.planner.plan(sched.running).exclusive is None
 
 
 def test_a_step_set_aside_for_a_prefill_takes_a_prompt_of_up_to_twice_the_budget() -> None:
@@ -455,23 +456,23 @@ def test_who_is_urgent() -> None:
         sched.add_request(req(f"f{i}", "flood", max_tokens=60))
     step(sched, runner)
     sched.add_request(req("f-waiting", "flood"))
-    assert policy.urgent(sched.running) is None  # nobody else is running: nothing is owed
+    assert policy.planner.urgent(sched.running) is None  # nobody else is running: nothing is owed
 
     sched.add_request(req("q1", "quiet"))
-    assert policy.urgent(sched.running) is sched.requests["q1"]  # back from idle
-    assert policy.urgent(sched.running) is sched.requests["q1"]  # a question, not a decision
-    policy.on_urgent_offered(sched.requests["q1"])  # offered an urgent step (not run here)
-    assert policy.urgent(sched.running) is None  # never twice before a normal step
+    assert policy.planner.urgent(sched.running) is sched.requests["q1"]  # back from idle
+    assert policy.planner.urgent(sched.running) is sched.requests["q1"]  # a question only
+    policy.planner.on_urgent_offered(sched.requests["q1"])  # offered an urgent step (not run here)
+    assert policy.planner.urgent(sched.running) is None  # never twice before a normal step
     step(sched, runner)  # q1 runs now (the step after an urgent one is a normal one)
     assert sched.requests["q1"].status == RequestStatus.RUNNING
     step(sched, runner)
     sched.add_request(req("q2", "quiet"))
     # quiet has a request running but has been served far less than the flooder: owed.
-    assert policy.urgent(sched.running) is sched.requests["q2"]
+    assert policy.planner.urgent(sched.running) is sched.requests["q2"]
 
     step(sched, runner)
     sched.add_request(req("b", "bulk"))
-    assert policy.urgent(sched.running) is None  # a lower class never jumps ahead
+    assert policy.planner.urgent(sched.running) is None  # a lower class never jumps ahead
 
 
 def test_urgent_step_takes_a_prompt_of_up_to_twice_the_budget() -> None:
@@ -483,7 +484,7 @@ def test_urgent_step_takes_a_prompt_of_up_to_twice_the_budget() -> None:
     sched.add_request(req("long", "quiet", prompt_len=33))
     assert sched.schedule_urgent() is None  # 33 > 2 x 16: it waits for normal steps
     # ... and the next step is a normal one: a step of its own would not take it whole either
-    assert policy.plan(sched.running).exclusive is None
+    assert policy.planner.plan(sched.running).exclusive is None
     step(sched, runner)
     step(sched, runner)
     sched.add_request(req("fits", "quiet2", prompt_len=32))
