@@ -31,6 +31,7 @@ from kvgate.model import cpu_isa
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.config import ModelConfig
 from kvgate.model.kv_layout import KVGroup, KVLayout
+from kvgate.model.models import model_class
 from kvgate.model.registry import resolve_model_path
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     path = resolve_model_path(a.model)
     config = load_checkpoint(path).config
     bs, itemsize = a.block_size, 2  # bf16 KV
-    windowed = KVLayout.for_model(config)
+    windowed = KVLayout.for_specs(model_class(config).kv_specs(config))
     whole = KVLayout((KVGroup(tuple(range(config.num_layers)), None),), config.num_layers)
     print(
         f"{a.model}: {config.num_layers} layers, window {config.sliding_window}; groups "

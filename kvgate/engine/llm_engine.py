@@ -34,7 +34,7 @@ from kvgate.errors import (
     InvalidConfig,
     KVCacheTooSmall,
 )
-from kvgate.model.attention import TorchAttention
+from kvgate.model.attention_backends import BackendOptions, select_backend
 from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.kv_layout import KVLayout
@@ -156,20 +156,32 @@ class LLMEngine:
         self.source = checkpoint.path
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.max_model_len = self._resolve_max_model_len()
-        self.model = model_class(checkpoint.config)(
+        cls = model_class(checkpoint.config)
+        #: Which layers share a block table (``kv_layout.py``), from each layer's KV spec as
+        #: the model declares it, stored in the model's dtype: one group, or Gemma 3's
+        #: global and sliding-window groups.
+        kv_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_layout = KVLayout.for_specs(
+            [spec.with_dtype(kv_dtype) for spec in cls.kv_specs(checkpoint.config)]
+        )
+        assert self.kv_layout.spec is not None
+        #: The attention backend the registry chose for the KV spec (``attention_backends``).
+        self.attention_backend, attention = select_backend(
+            self.kv_layout.spec,
+            BackendOptions(
+                num_heads=checkpoint.config.num_heads,
+                device=self.device,
+                scale=checkpoint.config.attention_scale,
+                decode_kernel=kernels.attention,
+                upcast=upcast_attention(self.dtype, self.device),
+            ),
+        )
+        self.model = cls(
             checkpoint.config,
             checkpoint.weights,
             dtype=self.dtype,
             device=self.device,
-            attention=TorchAttention(
-                checkpoint.config.num_heads,
-                checkpoint.config.num_kv_heads,
-                checkpoint.config.head_dim,
-                decode_kernel=kernels.attention,
-                upcast=upcast_attention(self.dtype, self.device),
-                scale=checkpoint.config.attention_scale,
-                kv_dtype=self.dtype,
-            ),
+            attention=attention,
             source=checkpoint.path,
             kernels=kernels,
             quantization=config.quantization,
@@ -179,12 +191,10 @@ class LLMEngine:
         self.build_info = self.model.build_info(kernels.level)
         if self.device.type == "cpu":
             self.build_info["torch"] = torch.backends.cpu.get_cpu_capability().lower()
+        self.build_info["kv_backend"] = self.attention_backend
         log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0
-        #: Which layers share a block table (``kv_layout.py``): one group, or Gemma 3's
-        #: global and sliding-window groups.
-        self.kv_layout = KVLayout.for_model(self.model_config)
         self.kv_pool = self._size_kv_pool()
         log.info(
             "model ready in %.1f s; allocating the KV pool: %d blocks x %d tokens = %d tokens "
@@ -278,9 +288,7 @@ class LLMEngine:
         budget = parse_memory(self.config.kv_cache_memory, total)
         # A block is a page of K and V for ``slots`` layers (every layer, with one group), in
         # the attention backend's layout and dtype.
-        bytes_per_block = self.kv_layout.slots * self.model.attention.kv_block_bytes(
-            self.config.block_size
-        )
+        bytes_per_block = self.kv_layout.block_bytes(self.config.block_size)
         num_blocks = budget // bytes_per_block
         needed = self.kv_layout.max_blocks(
             self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens

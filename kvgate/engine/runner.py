@@ -25,7 +25,7 @@ from kvgate.engine.messages import (
 from kvgate.engine.sampler import Sampler, SamplingState
 from kvgate.engine.step_handle import RunnerStep
 from kvgate.engine.verify import Drafted, DraftVerifier
-from kvgate.model.attention import AttentionMetadata, PrefillSlice
+from kvgate.model.attention import AttentionMetadata
 from kvgate.model.kv_layout import KVGroup, KVLayout
 from kvgate.model.protocol import Model
 from kvgate.model.row_roles import RowRoles
@@ -299,8 +299,9 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(seq.request_id)
         dev = self.device
+        build = self.model.attention.build_metadata
         metas = [
-            self._group_meta(g, group, decodes, prefills)
+            build(g, group, decodes, prefills, self.block_size, self.device)
             for g, group in enumerate(self.layout.groups)
         ]
         return FlatBatch(
@@ -311,60 +312,4 @@ class ModelRunner:
             sample_ids=tuple(sample_ids),
             roles=RowRoles.of(is_prompt),
             drafts=drafts,
-        )
-
-    def _group_meta(
-        self,
-        g: int,
-        group: KVGroup,
-        decodes: list[ScheduledSequence],
-        prefills: list[ScheduledSequence],
-    ) -> AttentionMetadata:
-        """One group's view of the step: where each token's K/V goes, and the blocks each
-        sequence reads (from the first one its window reaches)."""
-        bs, dev = self.block_size, self.device
-        slots: list[int] = []
-        for seq in decodes + prefills:
-            table = seq.tables[g]
-            for pos in range(seq.start_pos, seq.context_len):
-                block = table[pos // bs]
-                assert block >= 0, (seq.request_id, g, pos)  # written blocks are held
-                slots.append(block * bs + pos % bs)
-        # One decode row per position: a draft's row j attends to the context up to and
-        # including its own token, as the decode of that position would.
-        rows = [(s.tables[g], pos) for s in decodes for pos in range(s.start_pos, s.context_len)]
-        num_dec = len(rows)
-        starts = [group.first_needed_block(pos, bs) for _, pos in rows]
-        if num_dec:
-            ends = [-(-(pos + 1) // bs) for _, pos in rows]
-            max_blocks = max(e - f for e, f in zip(ends, starts, strict=True))
-            flat_tables: list[int] = []
-            for (table, _), first, end in zip(rows, starts, ends, strict=True):
-                part = table[first:end]
-                # Padding past decode_lens: never read.
-                flat_tables += part + (0,) * (max_blocks - len(part))
-            decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
-            lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int64, device=dev)
-        else:
-            decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
-            lens = torch.empty((0,), dtype=torch.int64, device=dev)
-        slices: list[PrefillSlice] = []
-        row = num_dec
-        for seq in prefills:
-            first = group.first_needed_block(seq.start_pos, bs)
-            table = seq.tables[g][first : -(-seq.context_len // bs)]
-            seq_table = torch.tensor(table, dtype=torch.int64, device=dev)
-            slices.append(
-                PrefillSlice(row, row + seq.num_tokens, seq.start_pos, seq_table, first * bs)
-            )
-            row += seq.num_tokens
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decodes=num_dec,
-            decode_blocks=decode_blocks,
-            decode_lens=lens,
-            prefills=tuple(slices),
-            decode_kv_start=torch.tensor([f * bs for f in starts], dtype=torch.int64, device=dev)
-            if any(starts)
-            else None,
         )

@@ -17,11 +17,14 @@ back to ``write_kv`` when the answer is no.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvgate.model.kv_layout import KVGroup
 
 if TYPE_CHECKING:
     from kvgate.model.cpu_kernels import PagedDecodeKernel
@@ -69,6 +72,80 @@ class AttentionMetadata:
     decode_kv_start: torch.Tensor | None = None
 
 
+class ScheduledRows(Protocol):
+    """One sequence's share of a step, as a metadata builder reads it (the engine's
+    ``ScheduledSequence``): tokens at positions ``start_pos`` .. ``context_len - 1``, and
+    its block table per KV group."""
+
+    @property
+    def start_pos(self) -> int: ...
+
+    @property
+    def context_len(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]: ...
+
+
+def paged_metadata(
+    g: int,
+    group: KVGroup,
+    decodes: Sequence[ScheduledRows],
+    prefills: Sequence[ScheduledRows],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Group ``g``'s view of the step for paged K/V: where each token's K/V goes, and the
+    blocks each sequence reads (from the first one its window reaches)."""
+    bs, dev = block_size, device
+    slots: list[int] = []
+    for seq in (*decodes, *prefills):
+        table = seq.tables[g]
+        for pos in range(seq.start_pos, seq.context_len):
+            block = table[pos // bs]
+            assert block >= 0, (seq, g, pos)  # written blocks are held
+            slots.append(block * bs + pos % bs)
+    # One decode row per position: a draft's row j attends to the context up to and
+    # including its own token, as the decode of that position would.
+    rows = [(s.tables[g], pos) for s in decodes for pos in range(s.start_pos, s.context_len)]
+    num_dec = len(rows)
+    starts = [group.first_needed_block(pos, bs) for _, pos in rows]
+    if num_dec:
+        ends = [-(-(pos + 1) // bs) for _, pos in rows]
+        max_blocks = max(e - f for e, f in zip(ends, starts, strict=True))
+        flat_tables: list[int] = []
+        for (table, _), first, end in zip(rows, starts, ends, strict=True):
+            part = table[first:end]
+            # Padding past decode_lens: never read.
+            flat_tables += part + (0,) * (max_blocks - len(part))
+        decode_blocks = torch.tensor(flat_tables, dtype=torch.int64, device=dev)
+        lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int64, device=dev)
+    else:
+        decode_blocks = torch.empty((0,), dtype=torch.int64, device=dev)
+        lens = torch.empty((0,), dtype=torch.int64, device=dev)
+    slices: list[PrefillSlice] = []
+    row = num_dec
+    for seq in prefills:
+        first = group.first_needed_block(seq.start_pos, bs)
+        table = seq.tables[g][first : -(-seq.context_len // bs)]
+        seq_table = torch.tensor(table, dtype=torch.int64, device=dev)
+        slices.append(PrefillSlice(row, row + seq.num_tokens, seq.start_pos, seq_table, first * bs))
+        row += seq.num_tokens
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        num_decodes=num_dec,
+        decode_blocks=decode_blocks,
+        decode_lens=lens,
+        prefills=tuple(slices),
+        decode_kv_start=torch.tensor([f * bs for f in starts], dtype=torch.int64, device=dev)
+        if any(starts)
+        else None,
+    )
+
+
 @dataclass(frozen=True)
 class NativeKVLayout:
     """K/V caches as native kernels may write and read them in place: two contiguous tensors
@@ -102,6 +179,18 @@ class AttentionBackend(Protocol):
     def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
         """How native code may write and read these caches in place; None: only through
         ``write_kv`` and ``attend``."""
+        ...
+
+    def build_metadata(
+        self,
+        g: int,
+        group: KVGroup,
+        decodes: Sequence[ScheduledRows],
+        prefills: Sequence[ScheduledRows],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """KV group ``g``'s view of a step whose decodes come first, then its prefills."""
         ...
 
     def write_kv(
@@ -170,6 +259,17 @@ class TorchAttention:
 
     def kv_block_bytes(self, block_size: int) -> int:
         return 2 * self.num_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
+
+    def build_metadata(
+        self,
+        g: int,
+        group: KVGroup,
+        decodes: Sequence[ScheduledRows],
+        prefills: Sequence[ScheduledRows],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        return paged_metadata(g, group, decodes, prefills, block_size, device)
 
     def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
         if (

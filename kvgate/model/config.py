@@ -100,7 +100,3 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """A per-head RMSNorm on q and k before RoPE (Qwen3)."""
         return self.arch.qk_norm
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

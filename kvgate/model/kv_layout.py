@@ -16,9 +16,11 @@ O(window) blocks in its sliding groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.model.config import ModelConfig
+from kvgate.errors import UnsupportedModel
+from kvgate.model.kv_spec import KVSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,23 +46,47 @@ class KVGroup:
 class KVLayout:
     groups: tuple[KVGroup, ...]
     slots: int  # layers per block (the largest group)
+    #: The page format of every layer (``kv_spec.py``): the pool is sized and allocated
+    #: from it. None: not known (layouts built for the scheduler alone, in tests).
+    spec: KVSpec | None = None
 
     @staticmethod
-    def for_model(config: ModelConfig) -> KVLayout:
-        """One group of every layer, unless global and sliding layers mix: then groups of
-        as many layers as the rarer kind has (the last group of a kind may be shorter)."""
-        full = [i for i in range(config.num_layers) if config.layer_window(i) is None]
-        sliding = [i for i in range(config.num_layers) if config.layer_window(i) is not None]
+    def for_specs(specs: Sequence[KVSpec]) -> KVLayout:
+        """From each layer's spec (``Model.kv_specs``): one group of every layer, unless
+        global and sliding layers mix: then groups of as many layers as the rarer kind has
+        (the last group of a kind may be shorter). The groups share the pool's per-slot
+        tensors, so every layer's pages must have one format."""
+        formats = {spec.page_format for spec in specs}
+        if len(formats) != 1:
+            raise UnsupportedModel(
+                f"layers with different KV page formats ({sorted(formats)}) are not supported: "
+                "the pool keeps one format",
+                path="<config>",
+            )
+        n = len(specs)
+        windows = {spec.window for spec in specs if spec.window is not None}
+        if len(windows) > 1:
+            raise UnsupportedModel(
+                f"sliding layers with different windows ({sorted(windows)}) are not supported",
+                path="<config>",
+            )
+        spec = next((s for s in specs if s.window is None), specs[0])
+        full = [i for i in range(n) if specs[i].window is None]
+        sliding = [i for i in range(n) if specs[i].window is not None]
+        window = windows.pop() if windows else None
         if not full or not sliding:
-            window = config.sliding_window if sliding else None
-            return KVLayout((KVGroup(tuple(range(config.num_layers)), window),), config.num_layers)
+            return KVLayout((KVGroup(tuple(range(n)), window),), n, spec)
         size = min(len(full), len(sliding))
         groups = [KVGroup(tuple(full[i : i + size]), None) for i in range(0, len(full), size)]
         groups += [
-            KVGroup(tuple(sliding[i : i + size]), config.sliding_window)
-            for i in range(0, len(sliding), size)
+            KVGroup(tuple(sliding[i : i + size]), window) for i in range(0, len(sliding), size)
         ]
-        return KVLayout(tuple(groups), size)
+        return KVLayout(tuple(groups), size, spec)
+
+    def block_bytes(self, block_size: int) -> int:
+        """One block of the pool: a page of every slot's layer."""
+        assert self.spec is not None, "a layout without a page format sizes no pool"
+        return self.slots * self.spec.page_bytes(block_size)
 
     @property
     def num_groups(self) -> int:

@@ -17,6 +17,7 @@ from kvgate.errors import CorruptWeights
 from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
+from kvgate.model.kv_spec import KVSpec
 from kvgate.model.linear import Linear, LinearFactory, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
@@ -59,6 +60,15 @@ class LayerWeights:
 
 
 class LlamaModel:
+    @staticmethod
+    def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
+        """Each layer's KV pages (``kv_spec.py``): K and V of ``head_dim`` per KV head, read
+        over the layer's window (every position, for a full-attention layer)."""
+        return tuple(
+            KVSpec.attention(config.num_kv_heads, config.head_dim, config.layer_window(i))
+            for i in range(config.num_layers)
+        )
+
     def __init__(
         self,
         config: ModelConfig,

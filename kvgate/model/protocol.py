@@ -1,8 +1,10 @@
 """What the engine needs of a model: the ``Model`` protocol the runner drives.
 
-A model class (``models.py``) holds its weights and runs one step over the flat batch; the
-KV cache's layout belongs to its attention backend (``kv_cache_shape``, ``write_kv``), the
-grouping of layers into block tables to ``KVLayout``.
+A model class (``models.py``) declares what each layer keeps in the KV pool (``kv_specs``,
+before it is built), holds its weights and runs one step over the flat batch; the KV
+cache's layout belongs to the attention backend chosen for those specs
+(``attention_backends.py``: ``kv_cache_shape``, ``write_kv``), the grouping of layers into
+block tables to ``KVLayout``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""What one layer keeps per token in the paged KV pool: its spec, declared by the model
+(``Model.kv_specs``), read by the layout (``kv_layout.py``), the pool sizing and the choice
+of attention backend (``attention_backends.py``). Tensor-free.
+
+A spec is the page format, not the arithmetic: a ``"full"`` layer keeps every position's K
+and V; a ``"sliding"`` one the same format, of which only its last ``window`` positions are
+read. A new kind of cache (a compressed latent, a lower-precision copy) is a new spec kind
+and a backend that says it ``supports`` it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+#: Bytes per element of the KV dtypes a spec may name (torch's names, without ``torch.``).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KINDS = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """One layer's KV page format: ``num_kv_heads`` heads of a ``k_dim`` key and a ``v_dim``
+    value per token, stored as ``dtype``; ``window``: the positions a sliding layer reads
+    (the query's own included)."""
+
+    kind: str
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: str = "bfloat16"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"KV spec kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.kind == "sliding") != (self.window is not None):
+            raise ValueError(f"a {self.kind} KV spec with window={self.window}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"a sliding window must be positive, got {self.window}")
+        if min(self.num_kv_heads, self.k_dim, self.v_dim) <= 0:
+            raise ValueError(f"KV spec sizes must be positive: {self}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @staticmethod
+    def attention(
+        num_kv_heads: int, head_dim: int, window: int | None = None, dtype: str = "bfloat16"
+    ) -> KVSpec:
+        """Multi-head (or grouped-query) attention: K and V of ``head_dim`` per head."""
+        kind = "full" if window is None else "sliding"
+        return KVSpec(kind, num_kv_heads, head_dim, head_dim, dtype, window)
+
+    def with_dtype(self, dtype: str) -> KVSpec:
+        """The same pages stored as ``dtype`` (the engine's choice, not the model's)."""
+        return replace(self, dtype=dtype)
+
+    @property
+    def page_format(self) -> tuple[int, int, int, str]:
+        """What two specs must share to keep their layers' pages in the same tensors."""
+        return (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token of one layer."""
+        return self.num_kv_heads * (self.k_dim + self.v_dim) * DTYPE_BYTES[self.dtype]
+
+    def page_bytes(self, block_size: int) -> int:
+        """One block of one layer: ``block_size`` tokens' K and V."""
+        return block_size * self.bytes_per_token()
