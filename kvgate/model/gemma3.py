@@ -1,4 +1,4 @@
-"""Gemma 3 (text): the Llama forward pass's weights and kernels, with Gemma's layer.
+"""Gemma 3 (text): its own layer and forward pass, on the shared decoder parts.
 
 Per layer (``architectures.GEMMA3``): x -> norm -> attention (q/k norms, RoPE, a sliding
 window on most layers) -> norm -> + x; -> norm -> GeGLU MLP -> norm -> + x. Norms scale by
@@ -11,31 +11,71 @@ Shapes as in ``llama.py``: T tokens, H hidden, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvgate.model.attention import AttentionMetadata
-from kvgate.model.cpu_kernels import KernelLibrary
-from kvgate.model.linear import Weight
-from kvgate.model.llama import LayerWeights, LlamaModel, per_layer
-from kvgate.model.native_decode import NativeDecode
-from kvgate.model.ops import LayerOps, TorchLayerOps
+from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.config import ModelConfig
+from kvgate.model.cpu_kernels import CpuKernels
+from kvgate.model.decoder import DecoderModel, per_layer
+from kvgate.model.linear import Linear, Weight
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 from kvgate.model.row_roles import RowRoles, apply
 
 
-class Gemma3Model(LlamaModel):
-    def _setup(self) -> None:
-        c = self.config
+@dataclass(frozen=True)
+class Gemma3Layer:
+    input_norm: torch.Tensor  # [H] float32, 1 + w
+    qkv: Linear  # H -> (Hq + 2 Hkv) D
+    q_norm: torch.Tensor  # [D] float32, 1 + w: per-head RMSNorm of q, before RoPE
+    k_norm: torch.Tensor  # [D]: the same for k
+    o: Linear  # Hq D -> H
+    post_norm: torch.Tensor  # [H]: after attention, before the residual add
+    pre_ffn_norm: torch.Tensor  # [H]: before the MLP ...
+    gate_up: Linear  # H -> 2 I: gate and up fused
+    down: Linear  # I -> H
+    post_ffn_norm: torch.Tensor  # [H]: ... and after it
+
+
+class Gemma3Model(DecoderModel[Gemma3Layer]):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, Weight],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionBackend,
+        source: str = "<weights>",
+        kernels: CpuKernels | None = None,
+        quantization: str | None = None,
+    ) -> None:
+        """The fused element-wise kernels and the native decode layers are Llama's (SiLU,
+        norms scaling in the model dtype): Gemma 3 runs its element-wise ops in PyTorch."""
+        super().__init__(
+            config,
+            weights,
+            dtype=dtype,
+            device=device,
+            attention=attention,
+            source=source,
+            kernels=kernels,
+            quantization=quantization,
+        )
+        c = config
+        self.rope = RotaryEmbedding(
+            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
+        )
         local_theta = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
         self.rope_local = RotaryEmbedding(
-            c.head_dim, c.max_position_embeddings, local_theta, None, self.dtype, self.device
+            c.head_dim, c.max_position_embeddings, local_theta, None, dtype, device
         )
         self.windows = [c.layer_window(i) for i in range(c.num_layers)]
         # HF: embed(ids) * tensor(sqrt(hidden), float32).to(dtype).
-        self.embed_scale = torch.tensor(c.hidden_size**0.5).to(self.dtype)
+        self.embed_scale = torch.tensor(c.hidden_size**0.5).to(dtype)
 
     def _norm(
         self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
@@ -43,20 +83,27 @@ class Gemma3Model(LlamaModel):
         w = self._vector(weights, name, shape).to(device=self.device, dtype=torch.float32)
         return (1.0 + w).contiguous()
 
-    def _layer(self, weights: Mapping[str, Weight], i: int) -> LayerWeights:
-        layer = super()._layer(weights, i)
-        p, h = f"model.layers.{i}.", (self.config.hidden_size,)
-        layer.pre_ffn_norm = self._norm(weights, p + "pre_feedforward_layernorm.weight", h)
-        layer.post_ffn_norm = self._norm(weights, p + "post_feedforward_layernorm.weight", h)
-        return layer
+    def _layer(self, weights: Mapping[str, Weight], i: int) -> Gemma3Layer:
+        p, h, d = f"model.layers.{i}.", (self.config.hidden_size,), (self.config.head_dim,)
+        lin = self._attention_mlp(weights, p, qkv_bias=False)
+        return Gemma3Layer(
+            input_norm=self._norm(weights, p + "input_layernorm.weight", h),
+            qkv=lin.qkv,
+            q_norm=self._norm(weights, p + "self_attn.q_norm.weight", d),
+            k_norm=self._norm(weights, p + "self_attn.k_norm.weight", d),
+            o=lin.o,
+            post_norm=self._norm(weights, p + "post_attention_layernorm.weight", h),
+            pre_ffn_norm=self._norm(weights, p + "pre_feedforward_layernorm.weight", h),
+            gate_up=lin.gate_up,
+            down=lin.down,
+            post_ffn_norm=self._norm(weights, p + "post_feedforward_layernorm.weight", h),
+        )
 
-    def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
-        # The fused element-wise kernels are Llama's (SiLU, norms scaling in the model dtype).
-        heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
-        return TorchLayerOps(self.rope, self.attention, heads)
+    def _layer_linears(self, layer: Gemma3Layer) -> Iterator[Linear]:
+        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
 
-    def _native_decode(self, level: str) -> NativeDecode | None:
-        return None
+    def _layer_norms(self, layer: Gemma3Layer) -> Iterator[torch.Tensor]:
+        yield from (layer.input_norm, layer.post_norm, layer.pre_ffn_norm, layer.post_ffn_norm)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Gemma3RMSNorm: in float32, scaled by (1 + w) (``weight`` holds it), cast back."""
@@ -87,14 +134,12 @@ class Gemma3Model(LlamaModel):
             cos, sin = tables[window is not None]  # sliding layers: the local RoPE
             qkv = apply(roles, layer.qkv, self._rms(x, layer.input_norm))
             q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
-            assert layer.q_norm is not None and layer.k_norm is not None
             q = apply_rotary(self._rms(q.reshape(t, hq, d), layer.q_norm), cos, sin)
             k = apply_rotary(self._rms(k.reshape(t, hkv, d), layer.k_norm), cos, sin)
             v = v.reshape(t, hkv, d)
             self.attention.write_kv(k, v, k_cache, v_cache, metas[i])
             attn = self.attention.attend(q, k, v, k_cache, v_cache, metas[i], window)
             x = x + self._rms(apply(roles, layer.o, attn.reshape(t, hq * d)), layer.post_norm)
-            assert layer.pre_ffn_norm is not None and layer.post_ffn_norm is not None
             gate_up = apply(roles, layer.gate_up, self._rms(x, layer.pre_ffn_norm))
             gate, up = gate_up.chunk(2, dim=-1)
             mlp = apply(roles, layer.down, F.gelu(gate, approximate="tanh") * up)

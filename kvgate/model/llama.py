@@ -8,41 +8,20 @@ Hq / Hkv = query / KV heads, D = head dim, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvgate.errors import CorruptWeights
-from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
-from kvgate.model.kv_spec import KVSpec
-from kvgate.model.linear import Linear, LinearFactory, Weight
+from kvgate.model.decoder import DecoderModel, per_layer
+from kvgate.model.linear import Linear, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
 from kvgate.model.row_roles import RowRoles, apply
-
-
-def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    """Drive a ``stepwise`` generator to its end; its hidden states."""
-    while True:
-        try:
-            next(layers)
-        except StopIteration as done:
-            hidden: torch.Tensor = done.value
-            return hidden
-
-
-def per_layer(
-    meta: AttentionMetadata | Sequence[AttentionMetadata], num_layers: int
-) -> Sequence[AttentionMetadata]:
-    if isinstance(meta, AttentionMetadata):
-        return [meta] * num_layers
-    if len(meta) != num_layers:
-        raise ValueError(f"{len(meta)} attention descriptions for {num_layers} layers")
-    return meta
 
 
 @dataclass
@@ -55,19 +34,10 @@ class LayerWeights:
     down: Linear  # I -> H
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of q, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: the same for k
-    pre_ffn_norm: torch.Tensor | None = None  # [H]: Gemma's norm before the MLP ...
-    post_ffn_norm: torch.Tensor | None = None  # [H]: ... and after it
 
 
-class LlamaModel:
-    @staticmethod
-    def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
-        """Each layer's KV pages (``kv_spec.py``): K and V of ``head_dim`` per KV head, read
-        over the layer's window (every position, for a full-attention layer)."""
-        return tuple(
-            KVSpec.attention(config.num_kv_heads, config.head_dim, config.layer_window(i))
-            for i in range(config.num_layers)
-        )
+class LlamaModel(DecoderModel[LayerWeights]):
+    ops: LayerOps
 
     def __init__(
         self,
@@ -81,50 +51,22 @@ class LlamaModel:
         kernels: CpuKernels | None = None,
         quantization: str | None = None,
     ) -> None:
-        """``kernels``: the native CPU kernels to use where they apply (None: PyTorch only);
-        ``quantization``: ``"int8"`` or ``"int8-b32"`` for weight-only int8 linear layers
-        (see ``linear.py``)."""
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.attention = attention
-        self._source = source
-        c = config
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
-        self.linear = LinearFactory.for_device(
-            dtype,
-            device,
-            kernels.linear if kernels else None,
-            quantization,
-            quant=kernels.quant if kernels else None,
+        super().__init__(
+            config,
+            weights,
+            dtype=dtype,
+            device=device,
+            attention=attention,
+            source=source,
+            kernels=kernels,
+            quantization=quantization,
         )
-        self._num_params = 0
-
-        embed = self._raw(weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.embed = self.linear.embedding(embed)  # ids [T] -> [T, H]
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            lm_head = embed
-        else:
-            lm_head = self._raw(weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = self.linear.logits(lm_head)
-        self.final_norm = self._norm(weights, "model.norm.weight", (c.hidden_size,))
-        self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
+        c = config
         self.rope = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
         )
         self.ops = self._layer_ops(kernels.elementwise if kernels else None)
         self.native_decode = self._native_decode(kernels.level) if kernels else None
-        #: Whether prompt tokens take other linears than generated ones (``row_roles``).
-        self.prompt_tiles = any(
-            getattr(lin, "prompt_tiles", False)
-            for layer in self.layers
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
-        self._setup()
-
-    def _setup(self) -> None:
-        """What a subclass's forward pass needs beyond the weights (called last in init)."""
 
     def _layer_ops(self, lib: KernelLibrary | None) -> LayerOps:
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
@@ -145,70 +87,18 @@ class LlamaModel:
         ]
         return NativeDecode.build(self.config, layers, self.ops, self.attention, level)
 
-    def _take(
-        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        return self._cast(self._vector(weights, name, shape))
-
-    def _vector(
-        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """A 1-D weight as loaded (a bias): never kept in blocks."""
-        w = self._raw(weights, name, shape)
-        return w if isinstance(w, torch.Tensor) else w.dequantize()
-
-    def _norm(
-        self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """A norm's weight as the forward pass multiplies by it."""
-        return self._take(weights, name, shape)
-
-    def _cast(self, w: torch.Tensor) -> torch.Tensor:
-        return w.to(device=self.device, dtype=self.dtype).contiguous()
-
-    def _raw(self, weights: Mapping[str, Weight], name: str, shape: tuple[int, ...]) -> Weight:
-        """The tensor as loaded (float32 for a dequantized GGUF, or its blocks), shape
-        checked; counted."""
-        w = weights.get(name)
-        if w is None:
-            raise CorruptWeights(f"missing tensor {name!r} in {self._source}", path=self._source)
-        if tuple(w.shape) != shape:
-            raise CorruptWeights(
-                f"tensor {name!r} in {self._source} has shape {tuple(w.shape)}, expected {shape}",
-                path=self._source,
-            )
-        if not name.endswith("lm_head.weight"):
-            self._num_params += w.numel()
-        return w
-
     def _layer(self, weights: Mapping[str, Weight], i: int) -> LayerWeights:
         c = self.config
         p = f"model.layers.{i}."
         h = c.hidden_size
-        # Linear weights as loaded: the factory casts (or quantizes) them.
-        q = self._raw(weights, p + "self_attn.q_proj.weight", (self.q_size, h))
-        k = self._raw(weights, p + "self_attn.k_proj.weight", (self.kv_size, h))
-        v = self._raw(weights, p + "self_attn.v_proj.weight", (self.kv_size, h))
-        bias = None
-        if c.attention_bias:
-            bias = torch.cat(
-                [
-                    self._vector(weights, p + "self_attn.q_proj.bias", (self.q_size,)),
-                    self._vector(weights, p + "self_attn.k_proj.bias", (self.kv_size,)),
-                    self._vector(weights, p + "self_attn.v_proj.bias", (self.kv_size,)),
-                ]
-            )
-        gate = self._raw(weights, p + "mlp.gate_proj.weight", (c.intermediate_size, h))
-        up = self._raw(weights, p + "mlp.up_proj.weight", (c.intermediate_size, h))
-        o = self._raw(weights, p + "self_attn.o_proj.weight", (h, self.q_size))
-        down = self._raw(weights, p + "mlp.down_proj.weight", (h, c.intermediate_size))
+        lin = self._attention_mlp(weights, p, c.attention_bias)
         return LayerWeights(
             input_norm=self._norm(weights, p + "input_layernorm.weight", (h,)),
-            qkv=self.linear.fused([q, k, v], bias),
-            o=self.linear(o, None),
+            qkv=lin.qkv,
+            o=lin.o,
             post_norm=self._norm(weights, p + "post_attention_layernorm.weight", (h,)),
-            gate_up=self.linear.fused([gate, up], None),
-            down=self.linear(down, None),
+            gate_up=lin.gate_up,
+            down=lin.down,
             q_norm=self._norm(weights, p + "self_attn.q_norm.weight", (c.head_dim,))
             if c.qk_norm
             else None,
@@ -217,52 +107,11 @@ class LlamaModel:
             else None,
         )
 
-    def build_info(self, isa: str) -> dict[str, str]:
-        """What runs each op of this model: ``isa`` (the level the kernels were built for),
-        then per op the kernel's vector path or ``torch``; ``decode``: ``layers-<isa>`` where
-        decode steps run whole layers per native call, else ``per-op``; ``prompt_linear``:
-        ``bf16-tiles`` where prompt tokens' block-format linears run on bf16 tiles."""
-        attention = (
-            self.attention.decode_kernel if isinstance(self.attention, TorchAttention) else None
-        )
-        return {
-            "isa": isa,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "linear": self.linear.path,
-            "attention": attention.isa if attention is not None else "torch",
-            "elementwise": self.ops.isa if isinstance(self.ops, FusedCpuLayerOps) else "torch",
-            "decode": f"layers-{native.isa}" if (native := self.native_decode) else "per-op",
-            # prompt tokens' linears, where they differ from the others' (``row_roles``)
-            "prompt_linear": "bf16-tiles" if self.prompt_tiles else self.linear.path,
-        }
+    def _layer_linears(self, layer: LayerWeights) -> Iterator[Linear]:
+        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
 
-    def num_parameters(self) -> int:
-        """Parameters as loaded (a tied LM head counts once)."""
-        return self._num_params
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: every linear layer (the LM head included,
-        int8 where quantized) and the norms; of the embedding table only one row a token."""
-        linears: list[Linear] = [self.lm_head]
-        for layer in self.layers:
-            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        norms = (
-            self.config.hidden_size * (2 * len(self.layers) + 1) * self.final_norm.element_size()
-        )
-        return sum(lin.weight_bytes() for lin in linears) + norms
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata | Sequence[AttentionMetadata],
-        roles: RowRoles | None = None,
-    ) -> torch.Tensor:  # [T, H]
-        """One step over the flat batch, all layers at once; returns final-normed hidden
-        states. ``meta``: the step's attention description, or one per layer."""
-        return drive(self.stepwise(input_ids, positions, kv_caches, meta, False, roles))
+    def _layer_norms(self, layer: LayerWeights) -> Iterator[torch.Tensor]:
+        yield from (layer.input_norm, layer.post_norm)
 
     @torch.inference_mode()  # entered and left around each resumption of the generator
     def stepwise(
@@ -325,10 +174,3 @@ class LlamaModel:
             x = heads.float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             qkv[:, part] = (weight * x.to(qkv.dtype)).flatten(1)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] in float32 (``LinearFactory.logits``). The head
-        takes no roles: it sees one row a sequence, where bf16 tiles would cost four times
-        the int8 product, and every row of it takes the same product in any step."""
-        return self.lm_head(hidden)
