@@ -1,32 +1,51 @@
-"""The architectures kvgate runs, each in one place: what its checkpoints call it (HF
-``model_type``, GGUF ``general.architecture``), what its layers hold beyond the Llama core,
-and every weight it reads, under HF names with their GGUF spellings.
+"""The architectures kvgate runs: what an architecture record holds, and the registry of
+them. Each record lives in its model module with the forward pass that runs it (``llama.py``:
+Llama, Mistral, SmolLM, Qwen2, Qwen3; ``gemma3.py``: Gemma 3), and says there what its
+checkpoints call it (HF ``model_type``, GGUF ``general.architecture``), the config fields of its
+own (``hf_fields``, ``gguf_fields``, ``export_hf``), every weight it reads under HF names
+(``weights``), with the GGUF spellings that differ, and its model class.
 
-Two forward passes (``model_class``) serve them, with the differences named here:
-
-- Llama (and Mistral, SmolLM), ``llama.py``: the core. llama.cpp stores its Q/K rows permuted.
-- Qwen2 / Qwen2.5: biases on the q, k and v projections.
-- Qwen3: a per-head RMSNorm on q and on k (over the head dimension) before RoPE; no biases.
-- Gemma 3 (text), ``gemma3.py``: q/k norms, "sandwich" norms (after attention and around the
-  MLP as well), norms that scale by ``1 + w``, GeGLU, embeddings scaled by sqrt(hidden),
-  sliding-window layers between global ones (``ModelConfig.layer_types``) with their own
-  RoPE base. llama.cpp stores its norms as ``1 + w`` (undone at load).
-
-Adding an architecture is adding an ``Architecture`` here (and, if its layers differ in kind,
-a model class in ``models.py``); the loaders, the weight check and the forward pass read it
-from ``ModelConfig.arch``.
+The loaders (``hf_loader.py``, ``gguf_loader.py``, ``hf_export.py``) are generic: they read
+the fields every decoder has and ask the record for the rest. Adding an architecture is a
+model module with its record, and one line in ``_MODULES`` below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import cache
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.errors import UnsupportedModel
 
 if TYPE_CHECKING:
     from kvgate.model.config import ModelConfig
+    from kvgate.model.decoder import DecoderModel
+
+#: The model modules that declare architectures (each an ``ARCHITECTURES`` tuple), imported
+#: when the registry is first read.
+_MODULES = ("kvgate.model.llama", "kvgate.model.gemma3")
+
+
+class GGUFMetadata(Protocol):
+    """Typed reads of a GGUF file's metadata (``gguf_loader``): a missing or ill-typed value
+    is a clear load error naming the file and key."""
+
+    def pos_int(self, key: str, default: int | None = None) -> int: ...
+
+    def pos_f32(self, key: str, default: float | None = None) -> float: ...
+
+    def opt_pos_float(self, key: str) -> float | None: ...
+
+
+def _no_fields(*_: Any) -> dict[str, Any]:
+    return {}
+
+
+def _as_is(_: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    return hf
 
 
 @dataclass(frozen=True)
@@ -35,14 +54,15 @@ class Architecture:
     hf_model_types: tuple[str, ...]
     gguf_name: str
     hf_class: str  # the transformers class (config.json "architectures")
+    #: Its model class (a ``DecoderModel``), which runs its forward pass.
+    model: type[DecoderModel[Any]]
+    #: Every weight the forward pass reads, HF name and shape ``[out, in]``, in layer order
+    #: (a generator: a damaged file claiming billions of layers costs nothing).
+    weight_shapes: Callable[[Architecture, ModelConfig], Iterator[tuple[str, tuple[int, ...]]]]
     qkv_bias: bool = False
     qk_norm: bool = False
     #: llama.cpp's converter permutes Q/K rows for this architecture (undone at load).
     gguf_permutes_qk: bool = False
-    #: The forward pass: ``"llama"`` or ``"gemma3"`` (``models.py``).
-    model_class: str = "llama"
-    #: Norms after attention and before and after the MLP (Gemma): four per layer.
-    sandwich_norms: bool = False
     #: Norm weights are stored as ``w`` and scale by ``norm_offset + w`` (Gemma: 1); llama.cpp
     #: stores ``norm_offset + w``.
     norm_offset: float = 0.0
@@ -52,79 +72,18 @@ class Architecture:
     end_of_turn: str | None = None
     #: The chat template for files that carry none (GGUF of a base model).
     default_chat_template: str | None = None
+    #: ModelConfig fields of its own from a config.json (``raw``, ``file``); a ``"rope"``
+    #: entry, (theta, scaling), replaces the generic RoPE reading, a ``"hidden_act"`` the
+    #: SiLU check, a ``"layer_types"`` the generic sliding-window rule.
+    hf_fields: Callable[[Mapping[str, Any], str], dict[str, Any]] = _no_fields
+    #: The same from a GGUF file's metadata (its key prefix, its layer count).
+    gguf_fields: Callable[[GGUFMetadata, str, int], dict[str, Any]] = _no_fields
+    #: A config.json for transformers from the generic one ``export_hf(config, hf)``.
+    export_hf: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] = _as_is
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """Every weight the forward pass reads, HF name and shape ``[out, in]``, in layer
-        order (a generator: a damaged file claiming billions of layers costs nothing)."""
-        h, hd = config.hidden_size, config.head_dim
-        q_dim, kv_dim = config.num_heads * hd, config.num_kv_heads * hd
-        inter = config.intermediate_size
-        yield "model.embed_tokens.weight", (config.vocab_size, h)
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            yield p + "self_attn.q_proj.weight", (q_dim, h)
-            yield p + "self_attn.k_proj.weight", (kv_dim, h)
-            yield p + "self_attn.v_proj.weight", (kv_dim, h)
-            yield p + "self_attn.o_proj.weight", (h, q_dim)
-            if self.qkv_bias:
-                yield p + "self_attn.q_proj.bias", (q_dim,)
-                yield p + "self_attn.k_proj.bias", (kv_dim,)
-                yield p + "self_attn.v_proj.bias", (kv_dim,)
-            if self.qk_norm:
-                yield p + "self_attn.q_norm.weight", (hd,)
-                yield p + "self_attn.k_norm.weight", (hd,)
-            yield p + "mlp.gate_proj.weight", (inter, h)
-            yield p + "mlp.up_proj.weight", (inter, h)
-            yield p + "mlp.down_proj.weight", (h, inter)
-            yield p + "input_layernorm.weight", (h,)
-            yield p + "post_attention_layernorm.weight", (h,)
-            if self.sandwich_norms:
-                yield p + "pre_feedforward_layernorm.weight", (h,)
-                yield p + "post_feedforward_layernorm.weight", (h,)
-        yield "model.norm.weight", (h,)
-        if not config.tie_word_embeddings:
-            yield "lm_head.weight", (config.vocab_size, h)
+        return self.weight_shapes(self, config)
 
-
-LLAMA = Architecture(
-    "llama", ("llama", "mistral"), "llama", "LlamaForCausalLM", gguf_permutes_qk=True
-)
-QWEN2 = Architecture("qwen2", ("qwen2",), "qwen2", "Qwen2ForCausalLM", qkv_bias=True)
-QWEN3 = Architecture("qwen3", ("qwen3",), "qwen3", "Qwen3ForCausalLM", qk_norm=True)
-# Gemma's turn format (a system message opens the first user turn, as Gemma's own template does).
-_GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- set ns = namespace(system='') -%}"
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}"
-    "{%- set ns.system = ns.system + (m['content'] | trim) + '\\n\\n' -%}"
-    "{%- else -%}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' }}"
-    "{%- if m['role'] != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif -%}"
-    "{{ (m['content'] | trim) + '<end_of_turn>\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
-)
-
-GEMMA3 = Architecture(
-    "gemma3",
-    ("gemma3_text",),
-    "gemma3",
-    "Gemma3ForCausalLM",
-    qk_norm=True,
-    model_class="gemma3",
-    sandwich_norms=True,
-    norm_offset=1.0,
-    gguf_layer_names={
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    },
-    end_of_turn="<end_of_turn>",
-    default_chat_template=_GEMMA_TEMPLATE,
-)
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, GEMMA3)}
 
 #: GGUF tensor names -> HF names: whole names, and the per-layer suffixes of "blk.{i}.".
 GGUF_GLOBAL_NAMES = {
@@ -155,16 +114,30 @@ def gguf_layer_name(arch: Architecture, suffix: str) -> str | None:
     return arch.gguf_layer_names.get(suffix) or GGUF_LAYER_NAMES.get(suffix)
 
 
+@cache
+def _registry() -> dict[str, Architecture]:
+    """Every architecture, by kvgate's name, from the model modules."""
+    found: dict[str, Architecture] = {}
+    for module in _MODULES:
+        for arch in importlib.import_module(module).ARCHITECTURES:
+            found[arch.name] = arch
+    return found
+
+
+def architectures() -> tuple[Architecture, ...]:
+    return tuple(_registry().values())
+
+
 def architecture(name: str) -> Architecture:
     """By kvgate's name (``ModelConfig.architecture``)."""
-    return ARCHITECTURES[name]
+    return _registry()[name]
 
 
 def from_hf_model_type(model_type: object, file: str) -> Architecture:
-    for arch in ARCHITECTURES.values():
+    for arch in architectures():
         if model_type in arch.hf_model_types:
             return arch
-    known = sorted(t for a in ARCHITECTURES.values() for t in a.hf_model_types)
+    known = sorted(t for a in architectures() for t in a.hf_model_types)
     raise UnsupportedModel(
         f"{file}: model_type {model_type!r} is not supported (supported: {', '.join(known)})",
         path=file,
@@ -172,10 +145,10 @@ def from_hf_model_type(model_type: object, file: str) -> Architecture:
 
 
 def from_gguf_name(name: object, file: str) -> Architecture:
-    for arch in ARCHITECTURES.values():
+    for arch in architectures():
         if name == arch.gguf_name:
             return arch
-    known = ", ".join(a.gguf_name for a in ARCHITECTURES.values())
+    known = ", ".join(a.gguf_name for a in architectures())
     raise UnsupportedModel(
         f"{file}: architecture {name!r} is not supported (supported: {known})", path=file
     )

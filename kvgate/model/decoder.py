@@ -37,6 +37,33 @@ def drive(layers: Generator[None, None, torch.Tensor]) -> torch.Tensor:
             return hidden
 
 
+def attention_mlp_weights(
+    config: ModelConfig, p: str, qkv_bias: bool
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The weights ``DecoderModel._attention_mlp`` reads for layer ``p``, and their shapes."""
+    h, hd = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_heads * hd, config.num_kv_heads * hd
+    inter = config.intermediate_size
+    yield p + "self_attn.q_proj.weight", (q_dim, h)
+    yield p + "self_attn.k_proj.weight", (kv_dim, h)
+    yield p + "self_attn.v_proj.weight", (kv_dim, h)
+    yield p + "self_attn.o_proj.weight", (h, q_dim)
+    if qkv_bias:
+        yield p + "self_attn.q_proj.bias", (q_dim,)
+        yield p + "self_attn.k_proj.bias", (kv_dim,)
+        yield p + "self_attn.v_proj.bias", (kv_dim,)
+    yield p + "mlp.gate_proj.weight", (inter, h)
+    yield p + "mlp.up_proj.weight", (inter, h)
+    yield p + "mlp.down_proj.weight", (h, inter)
+
+
+def head_weights(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The final norm and, untied, the LM head."""
+    yield "model.norm.weight", (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", (config.vocab_size, config.hidden_size)
+
+
 def per_layer(
     meta: AttentionMetadata | Sequence[AttentionMetadata], num_layers: int
 ) -> Sequence[AttentionMetadata]:

@@ -1,26 +1,36 @@
 """Gemma 3 (text): its own layer and forward pass, on the shared decoder parts.
 
-Per layer (``architectures.GEMMA3``): x -> norm -> attention (q/k norms, RoPE, a sliding
-window on most layers) -> norm -> + x; -> norm -> GeGLU MLP -> norm -> + x. Norms scale by
-``1 + w`` and compute in float32 whatever the model dtype (as HF's Gemma3RMSNorm), so their
-weights are kept in float32 with the 1 added. Embeddings are scaled by sqrt(hidden); sliding
-layers rotate with their own RoPE base, global ones with ``rope_theta`` (and its scaling).
+Per layer (``GEMMA3``, at the end with its config readers): x -> norm -> attention (q/k
+norms, RoPE, a sliding window on most layers) -> norm -> + x; -> norm -> GeGLU MLP -> norm
+-> + x. Norms scale by ``1 + w`` and compute in float32 whatever the model dtype (as HF's
+Gemma3RMSNorm), so their weights are kept in float32 with the 1 added. Embeddings are scaled
+by sqrt(hidden); sliding layers rotate with their own RoPE base, global ones with
+``rope_theta`` (and its scaling). llama.cpp stores its norms as ``1 + w`` (undone at load).
 
-Shapes as in ``llama.py``: T tokens, H hidden, Hq / Hkv heads, D head dim.
+Shapes as in ``decoder.py``: T tokens, H hidden, Hq / Hkv heads, D head dim.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvgate.errors import CorruptWeights, UnsupportedModel
+from kvgate.model.architectures import Architecture, GGUFMetadata
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels
-from kvgate.model.decoder import DecoderModel, per_layer
+from kvgate.model.decoder import (
+    DecoderModel,
+    attention_mlp_weights,
+    head_weights,
+    per_layer,
+)
+from kvgate.model.hf_loader import is_number, positive_int, read_rope
 from kvgate.model.linear import Linear, Weight
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 from kvgate.model.row_roles import RowRoles, apply
@@ -156,3 +166,148 @@ class Gemma3Model(DecoderModel[Gemma3Layer]):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+_GEMMA_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def gemma3_hf_fields(raw: Mapping[str, Any], file: str) -> dict[str, Any]:
+    """Gemma 3's own keys (transformers v4 and v5 spellings): activation, layer types and
+    window, local and global RoPE, attention scale, soft-capping. ``rope``: (theta, scaling)
+    of the global layers."""
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModel(
+            f"{file}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)", path=file
+        )
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise UnsupportedModel(f"{file}: {key} is not supported", path=file)
+    layers = positive_int(raw, "num_hidden_layers", file)
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        if not isinstance(pattern, int) or pattern <= 0:
+            raise CorruptWeights(f"{file}: sliding_window_pattern must be positive", path=file)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]  # fmt: skip
+    if not isinstance(types, list) or any(t not in _GEMMA_LAYER_TYPES for t in types):
+        raise UnsupportedModel(
+            f"{file}: layer_types must list 'sliding_attention' or 'full_attention'", path=file
+        )
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:  # v5: per layer type
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        rope = read_rope({"rope_parameters": full, "rope_theta": full.get("rope_theta", 1e6)}, file)
+        local_theta = local.get("rope_theta", 10000.0)
+    else:
+        rope = read_rope({**raw, "rope_theta": raw.get("rope_theta", 1e6)}, file)
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+    scalar = raw.get("query_pre_attn_scalar", raw.get("head_dim"))
+    cap = raw.get("final_logit_softcapping")
+    for key, value in (("rope_local_base_freq", local_theta), ("query_pre_attn_scalar", scalar)):
+        if not is_number(value) or value <= 0:
+            raise CorruptWeights(f"{file}: {key} must be a positive number", path=file)
+    if cap is not None and (not is_number(cap) or cap <= 0):
+        raise CorruptWeights(f"{file}: final_logit_softcapping must be positive", path=file)
+    return {
+        "rope": rope,
+        "layer_types": tuple(_GEMMA_LAYER_TYPES[t] for t in types),
+        "sliding_window": raw.get("sliding_window"),
+        "rope_local_theta": float(local_theta),
+        "attention_scale": float(scalar) ** -0.5,
+        "hidden_act": "gelu_tanh",
+        "final_logit_softcapping": None if cap is None else float(cap),
+    }
+
+
+def gemma3_gguf_fields(f: GGUFMetadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's sliding-window layout and constants. llama.cpp writes the window but not
+    which layers use it, nor the local RoPE base: its loader hard-codes both (every sixth layer
+    global, base 10k locally), and so do transformers' defaults; files that state them win."""
+    pattern = f.pos_int(f"{arch}.attention.sliding_window_pattern", 6)
+    return {
+        "layer_types": tuple(
+            "full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)
+        ),
+        "sliding_window": f.pos_int(f"{arch}.attention.sliding_window"),
+        "rope_local_theta": f.pos_f32(f"{arch}.rope.freq_base_swa", 10000.0),
+        "hidden_act": "gelu_tanh",
+        "final_logit_softcapping": f.opt_pos_float(f"{arch}.final_logit_softcapping"),
+        # llama.cpp's general key; absent (as Gemma 3's converter leaves it), 1/sqrt(head_dim).
+        "attention_scale": f.opt_pos_float(f"{arch}.attention.scale"),
+    }
+
+
+def gemma3_export_hf(c: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers' Gemma 3 reads it."""
+    names = {"sliding": "sliding_attention", "full": "full_attention"}
+    out = {k: v for k, v in hf.items() if k not in ("hidden_act", "attention_bias")}
+    out.update(
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": [names[t] for t in c.layer_types],
+            "sliding_window": c.sliding_window,
+            "rope_local_base_freq": c.rope_local_theta,
+            "query_pre_attn_scalar": round((c.attention_scale or c.head_dim**-0.5) ** -2),
+            "final_logit_softcapping": c.final_logit_softcapping,
+            "attn_logit_softcapping": None,
+        }
+    )
+    return out
+
+
+def gemma3_weights(
+    arch: Architecture, config: ModelConfig
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every weight ``Gemma3Model._layer`` reads, HF names."""
+    h, d = (config.hidden_size,), (config.head_dim,)
+    yield "model.embed_tokens.weight", (config.vocab_size, config.hidden_size)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        yield from attention_mlp_weights(config, p, qkv_bias=False)
+        yield p + "self_attn.q_norm.weight", d
+        yield p + "self_attn.k_norm.weight", d
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            yield p + f"{norm}_layernorm.weight", h
+    yield from head_weights(config)
+
+
+# Gemma's turn format (a system message opens the first user turn, as Gemma's own template does).
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + (m['content'] | trim) + '\\n\\n' -%}"
+    "{%- else -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' }}"
+    "{%- if m['role'] != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif -%}"
+    "{{ (m['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
+)
+
+GEMMA3 = Architecture(
+    "gemma3",
+    ("gemma3_text",),
+    "gemma3",
+    "Gemma3ForCausalLM",
+    Gemma3Model,
+    gemma3_weights,
+    qk_norm=True,
+    norm_offset=1.0,
+    gguf_layer_names={
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    end_of_turn="<end_of_turn>",
+    default_chat_template=_GEMMA_TEMPLATE,
+    hf_fields=gemma3_hf_fields,
+    gguf_fields=gemma3_gguf_fields,
+    export_hf=gemma3_export_hf,
+)
+ARCHITECTURES = (GEMMA3,)

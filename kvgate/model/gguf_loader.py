@@ -25,9 +25,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
 from kvgate.model.architectures import (
-    ARCHITECTURES,
     GGUF_GLOBAL_NAMES,
     Architecture,
+    architectures,
     from_gguf_name,
     gguf_layer_name,
 )
@@ -348,11 +348,16 @@ def _f32(value: float) -> float:
 
 class _Fields:
     """Typed reads of GGUF metadata: a missing or ill-typed value is CorruptWeights naming the
-    file and key, never a bare TypeError/ValueError from a damaged file."""
+    file and key, never a bare TypeError/ValueError from a damaged file
+    (``architectures.GGUFMetadata``)."""
 
     def __init__(self, fields: dict[str, Any], file: str) -> None:
         self.fields = fields
         self.file = file
+
+    def pos_f32(self, key: str, default: float | None = None) -> float:
+        """A positive float as the original config held it (``_f32``)."""
+        return _f32(self.pos_float(key, default))
 
     def _bad(self, key: str, what: str) -> CorruptWeights:
         value = self.fields.get(key)
@@ -427,7 +432,7 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
     # embedding's rows).
     tokens = f.opt_list("tokenizer.ggml.tokens", str) or []
     num_layers = f.pos_int(f"{arch}.block_count")
-    extra = _gemma3_fields(f, arch, num_layers) if architecture.model_class == "gemma3" else {}
+    extra = architecture.gguf_fields(f, arch, num_layers)  # its own (Gemma 3's windows)
     return make_config(
         file,
         architecture=architecture.name,
@@ -447,24 +452,6 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
         eos_token_ids=_eos_ids(f, architecture, tokens),
         **extra,
     )
-
-
-def _gemma3_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
-    """Gemma 3's sliding-window layout and constants. llama.cpp writes the window but not
-    which layers use it, nor the local RoPE base: its loader hard-codes both (every sixth layer
-    global, base 10k locally), and so do transformers' defaults; files that state them win."""
-    pattern = f.pos_int(f"{arch}.attention.sliding_window_pattern", 6)
-    return {
-        "layer_types": tuple(
-            "full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)
-        ),
-        "sliding_window": f.pos_int(f"{arch}.attention.sliding_window"),
-        "rope_local_theta": _f32(f.pos_float(f"{arch}.rope.freq_base_swa", 10000.0)),
-        "hidden_act": "gelu_tanh",
-        "final_logit_softcapping": f.opt_pos_float(f"{arch}.final_logit_softcapping"),
-        # llama.cpp's general key; absent (as Gemma 3's converter leaves it), 1/sqrt(head_dim).
-        "attention_scale": f.opt_pos_float(f"{arch}.attention.scale"),
-    }
 
 
 def _eos_ids(f: _Fields, arch: Architecture, tokens: list[str]) -> tuple[int, ...]:
@@ -505,7 +492,7 @@ def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
         raise CorruptWeights(f"{file}: token_type and tokens differ in length", path=file)
     # The architecture may be unknown here (load_gguf_tokenizer): its defaults are optional.
     name = fields.get("general.architecture")
-    arch = next((a for a in ARCHITECTURES.values() if a.gguf_name == name), None)
+    arch = next((a for a in architectures() if a.gguf_name == name), None)
     template = f.opt_str("tokenizer.chat_template")
     if template is None and arch is not None:
         template = arch.default_chat_template

@@ -41,9 +41,7 @@ def hf_config(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, Any]:
         if len(c.eos_token_ids) > 1
         else (c.eos_token_ids[0] if c.eos_token_ids else None),
     }
-    if c.arch.model_class == "gemma3":
-        del config["hidden_act"], config["attention_bias"]
-        config.update(_gemma3_config(checkpoint))
+    config = c.arch.export_hf(c, config)  # its own fields (Gemma 3's windows)
     if c.rope_scaling is not None:
         s = c.rope_scaling
         config["rope_scaling"] = {
@@ -54,20 +52,6 @@ def hf_config(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, Any]:
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
     return config
-
-
-def _gemma3_config(checkpoint: Checkpoint) -> dict[str, Any]:
-    c = checkpoint.config
-    names = {"sliding": "sliding_attention", "full": "full_attention"}
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "layer_types": [names[t] for t in c.layer_types],
-        "sliding_window": c.sliding_window,
-        "rope_local_base_freq": c.rope_local_theta,
-        "query_pre_attn_scalar": round((c.attention_scale or c.head_dim**-0.5) ** -2),
-        "final_logit_softcapping": c.final_logit_softcapping,
-        "attn_logit_softcapping": None,
-    }
 
 
 def save_hf_checkpoint(

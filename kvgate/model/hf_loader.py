@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory (config.json + safetensors + tokenizer.json).
 
-Supports the ``model_type``s of ``architectures.py`` (llama, mistral, qwen2, qwen3),
-single-file or sharded safetensors
+Supports the ``model_type``s of the architectures in ``architectures.py``'s registry (each
+reads the config fields of its own: ``Architecture.hf_fields``), single-file or sharded
+safetensors
 (``model.safetensors.index.json``). Tensors keep their stored dtype (bf16 stays bf16).
 """
 
@@ -83,32 +84,32 @@ def config_from_hf(
     """
     model_type = raw.get("model_type")
     arch = from_hf_model_type(model_type, file)
-    gemma = arch.model_class == "gemma3"
+    # The architecture's own fields (e.g. Gemma 3's activation, layer types and RoPE).
+    extra = arch.hf_fields(raw, file)
 
     act = raw.get("hidden_act", "silu")
-    if not gemma and act != "silu":
+    if "hidden_act" not in extra and act != "silu":
         raise UnsupportedModel(
             f"{file}: hidden_act {act!r} is not supported (only silu)", path=file
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModel(f"{file}: mlp_bias is not supported", path=file)
-    # Qwen2's q/k/v biases are its architecture's (always there). Elsewhere attention_bias
+    # Biases on q, k and v are an architecture's own (Qwen2's). Elsewhere attention_bias
     # also biases o_proj, which this forward pass does not have.
-    if arch.name != "qwen2" and raw.get("attention_bias"):
+    if not arch.qkv_bias and raw.get("attention_bias"):
         raise UnsupportedModel(f"{file}: attention_bias (o_proj bias) is not supported", path=file)
 
     # Sizes are validated by make_config; the two used in arithmetic here are checked first.
-    hidden = _positive_int(raw, "hidden_size", file)
-    heads = _positive_int(raw, "num_attention_heads", file)
+    hidden = positive_int(raw, "hidden_size", file)
+    heads = positive_int(raw, "num_attention_heads", file)
     max_pos = raw.get("max_position_embeddings")
     window = _sliding_window(raw, arch.name)
-    if not gemma and window is not None and isinstance(max_pos, int) and window < max_pos:
-        # Attention within a window as long as the whole context is full attention: capping the
-        # context keeps the plain (full-attention) forward pass exact.
-        max_pos = window
+    if "layer_types" not in extra and window is not None and isinstance(max_pos, int):
+        # Attention within a window as long as the whole context is full attention: capping
+        # the context keeps the plain (full-attention) forward pass exact.
+        max_pos = min(max_pos, window)
 
-    extra = _gemma3_fields(raw, file) if gemma else {}
-    rope_theta, rope_scaling = extra.pop("rope") if gemma else _rope(raw, file)
+    rope_theta, rope_scaling = extra.pop("rope") if "rope" in extra else read_rope(raw, file)
     gen = generation or {}
     eos = int_list(raw.get("eos_token_id")) + int_list(gen.get("eos_token_id"))
     if not eos and tokenizer is not None:
@@ -137,61 +138,7 @@ def config_from_hf(
     )
 
 
-_GEMMA_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
-
-
-def _gemma3_fields(raw: Mapping[str, Any], file: str) -> dict[str, Any]:
-    """Gemma 3's own keys (transformers v4 and v5 spellings): activation, layer types and
-    window, local and global RoPE, attention scale, soft-capping. ``rope``: (theta, scaling)
-    of the global layers."""
-    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModel(
-            f"{file}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)", path=file
-        )
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if raw.get(key):
-            raise UnsupportedModel(f"{file}: {key} is not supported", path=file)
-    layers = _positive_int(raw, "num_hidden_layers", file)
-    types = raw.get("layer_types")
-    if types is None:
-        pattern = raw.get("sliding_window_pattern", 6)
-        if not isinstance(pattern, int) or pattern <= 0:
-            raise CorruptWeights(f"{file}: sliding_window_pattern must be positive", path=file)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(layers)]  # fmt: skip
-    if not isinstance(types, list) or any(t not in _GEMMA_LAYER_TYPES for t in types):
-        raise UnsupportedModel(
-            f"{file}: layer_types must list 'sliding_attention' or 'full_attention'", path=file
-        )
-    params = raw.get("rope_parameters")
-    if isinstance(params, Mapping) and "full_attention" in params:  # v5: per layer type
-        full = params.get("full_attention") or {}
-        local = params.get("sliding_attention") or {}
-        rope = _rope({"rope_parameters": full, "rope_theta": full.get("rope_theta", 1e6)}, file)
-        local_theta = local.get("rope_theta", 10000.0)
-    else:
-        rope = _rope({**raw, "rope_theta": raw.get("rope_theta", 1e6)}, file)
-        local_theta = raw.get("rope_local_base_freq", 10000.0)
-    scalar = raw.get("query_pre_attn_scalar", raw.get("head_dim"))
-    cap = raw.get("final_logit_softcapping")
-    for key, value in (("rope_local_base_freq", local_theta), ("query_pre_attn_scalar", scalar)):
-        if not _is_number(value) or value <= 0:
-            raise CorruptWeights(f"{file}: {key} must be a positive number", path=file)
-    if cap is not None and (not _is_number(cap) or cap <= 0):
-        raise CorruptWeights(f"{file}: final_logit_softcapping must be positive", path=file)
-    return {
-        "rope": rope,
-        "layer_types": tuple(_GEMMA_LAYER_TYPES[t] for t in types),
-        "sliding_window": raw.get("sliding_window"),
-        "rope_local_theta": float(local_theta),
-        "attention_scale": float(scalar) ** -0.5,
-        "hidden_act": "gelu_tanh",
-        "final_logit_softcapping": None if cap is None else float(cap),
-    }
-
-
-def _positive_int(raw: Mapping[str, Any], key: str, file: str) -> int:
+def positive_int(raw: Mapping[str, Any], key: str, file: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise CorruptWeights(f"{file}: {key} must be a positive integer, got {value!r}", path=file)
@@ -207,7 +154,7 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     return window
 
 
-def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
+def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
     """(rope_theta, scaling) from v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``.
     rope_theta is returned as read; make_config checks it."""
     params = raw.get("rope_parameters") or {}
@@ -227,7 +174,7 @@ def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
 
     def number(key: str, default: float | None = None) -> float:
         value = scaling.get(key, default)
-        if not _is_number(value) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise CorruptWeights(
                 f"{file}: {kind} rope scaling {key} must be a positive number, got {value!r}",
                 path=file,
@@ -248,7 +195,7 @@ def _rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | None]:
     return theta, RopeScaling("llama3", factor, low, high, original)
 
 
-def _is_number(value: object) -> TypeGuard[int | float]:
+def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -1,5 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3: ``architectures.py``) reading
-and writing KV through blocks.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3; their records are at the end)
+reading and writing KV through blocks.
+
+- Llama (and Mistral, SmolLM): the core. llama.cpp stores its Q/K rows permuted.
+- Qwen2 / Qwen2.5: biases on the q, k and v projections.
+- Qwen3: a per-head RMSNorm on q and on k (over the head dimension) before RoPE; no biases.
 
 Plain tensors and functions rather than nn.Modules: the forward is short enough to read in one
 go, and there is no training. Shapes: T = tokens in the flat batch, H = hidden size,
@@ -13,10 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.model.architectures import Architecture
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
-from kvgate.model.decoder import DecoderModel, per_layer
+from kvgate.model.decoder import (
+    DecoderModel,
+    attention_mlp_weights,
+    head_weights,
+    per_layer,
+)
 from kvgate.model.linear import Linear, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
@@ -174,3 +184,36 @@ class LlamaModel(DecoderModel[LayerWeights]):
             x = heads.float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             qkv[:, part] = (weight * x.to(qkv.dtype)).flatten(1)
+
+
+def llama_weights(arch: Architecture, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every weight a Llama-family forward pass reads (``LlamaModel._layer``), HF names."""
+    h = config.hidden_size
+    yield "model.embed_tokens.weight", (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        yield from attention_mlp_weights(config, p, arch.qkv_bias)
+        if arch.qk_norm:
+            yield p + "self_attn.q_norm.weight", (config.head_dim,)
+            yield p + "self_attn.k_norm.weight", (config.head_dim,)
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+    yield from head_weights(config)
+
+
+LLAMA = Architecture(
+    "llama",
+    ("llama", "mistral"),
+    "llama",
+    "LlamaForCausalLM",
+    LlamaModel,
+    llama_weights,
+    gguf_permutes_qk=True,
+)
+QWEN2 = Architecture(
+    "qwen2", ("qwen2",), "qwen2", "Qwen2ForCausalLM", LlamaModel, llama_weights, qkv_bias=True
+)
+QWEN3 = Architecture(
+    "qwen3", ("qwen3",), "qwen3", "Qwen3ForCausalLM", LlamaModel, llama_weights, qk_norm=True
+)
+ARCHITECTURES = (LLAMA, QWEN2, QWEN3)
