@@ -208,7 +208,10 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             self.kv_layout,
             self.model_config.num_layers,
-            self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
+            (
+                self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
+                self.model.attention.v_cache_shape(self.kv_pool.num_blocks, config.block_size),
+            ),
             self.model.attention.kv_dtype,
             self.device,
         )

@@ -39,15 +39,17 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 def allocate_kv_caches(
     layout: KVLayout,
     num_layers: int,
-    shape: tuple[int, ...],
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCaches:
-    """One (K, V) pair per layer, each of the attention backend's cache ``shape``: a pair per
-    slot of the layout, shared by the layers of every group in that slot (a block belongs
-    to one group at a time)."""
+    """One (K, V) pair per layer, of the attention backend's cache ``shapes`` (K's, V's: an
+    empty V where the spec keeps none): a pair per slot of the layout, shared by the layers
+    of every group in that slot (a block belongs to one group at a time)."""
+    k_shape, v_shape = shapes
     slots = [
-        (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(layout.slots)
+        (_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
+        for _ in range(layout.slots)
     ]
     return [slots[slot] for _, slot in layout.layer_slots(num_layers)]
 

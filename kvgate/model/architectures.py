@@ -1,6 +1,7 @@
 """The architectures kvgate runs: what an architecture record holds, and the registry of
 them. Each record lives in its model module with the forward pass that runs it (``llama.py``:
-Llama, Mistral, SmolLM, Qwen2, Qwen3; ``gemma3.py``: Gemma 3), and says there what its
+Llama, Mistral, SmolLM, Qwen2, Qwen3; ``gemma3.py``: Gemma 3; ``deepseek.py``: DeepSeek-V2
+and V3), and says there what its
 checkpoints call it (HF ``model_type``, GGUF ``general.architecture``), the config fields of its
 own (``hf_fields``, ``gguf_fields``, ``export_hf``), every weight it reads under HF names
 (``weights``), with the GGUF spellings that differ, and its model class.
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 #: The model modules that declare architectures (each an ``ARCHITECTURES`` tuple), imported
 #: when the registry is first read.
-_MODULES = ("kvgate.model.llama", "kvgate.model.gemma3")
+_MODULES = ("kvgate.model.llama", "kvgate.model.gemma3", "kvgate.model.deepseek")
 
 
 class GGUFMetadata(Protocol):
@@ -52,7 +53,7 @@ def _as_is(_: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
 class Architecture:
     name: str
     hf_model_types: tuple[str, ...]
-    gguf_name: str
+    gguf_name: str | None  # None: no GGUF file of it is read
     hf_class: str  # the transformers class (config.json "architectures")
     #: Its model class (a ``DecoderModel``), which runs its forward pass.
     model: type[DecoderModel[Any]]
@@ -146,9 +147,9 @@ def from_hf_model_type(model_type: object, file: str) -> Architecture:
 
 def from_gguf_name(name: object, file: str) -> Architecture:
     for arch in architectures():
-        if name == arch.gguf_name:
+        if arch.gguf_name is not None and name == arch.gguf_name:
             return arch
-    known = ", ".join(a.gguf_name for a in architectures())
+    known = ", ".join(a.gguf_name for a in architectures() if a.gguf_name is not None)
     raise UnsupportedModel(
         f"{file}: architecture {name!r} is not supported (supported: {known})", path=file
     )

@@ -169,7 +169,11 @@ class AttentionBackend(Protocol):
     kv_dtype: torch.dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's K (and V) cache tensor."""
+        """Shape of one layer's K cache tensor."""
+        ...
+
+    def v_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's V cache tensor (empty where V is kept within K)."""
         ...
 
     def kv_block_bytes(self, block_size: int) -> int:
@@ -241,7 +245,16 @@ class TorchAttention:
         upcast: bool = False,
         scale: float | None = None,
         kv_dtype: torch.dtype = torch.float32,
+        v_dim: int | None = None,
+        v_in_k: bool = False,
     ) -> None:
+        """``head_dim``: of q and K; ``v_dim``: of V and the output (None: ``head_dim``);
+        ``v_in_k``: V is the first ``v_dim`` entries of K and has no cache of its own (a
+        latent spec: one KV head whose vector every query head reads)."""
+        self.v_dim = head_dim if v_dim is None else v_dim
+        self.v_in_k = v_in_k
+        if v_in_k or self.v_dim != head_dim:
+            decode_kernel = None  # the native kernels read K and V of one size, both cached
         self.decode_kernel = decode_kernel
         self.kv_dtype = kv_dtype
         #: bf16 attention matmuls computed in float32 and rounded back, for CPUs where
@@ -257,8 +270,13 @@ class TorchAttention:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
+    def v_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        v_dim = 0 if self.v_in_k else self.v_dim
+        return (self.num_kv_heads, num_blocks, block_size, v_dim)
+
     def kv_block_bytes(self, block_size: int) -> int:
-        return 2 * self.num_kv_heads * block_size * self.head_dim * self.kv_dtype.itemsize
+        dims = self.head_dim + (0 if self.v_in_k else self.v_dim)
+        return self.num_kv_heads * block_size * dims * self.kv_dtype.itemsize
 
     def build_metadata(
         self,
@@ -293,7 +311,8 @@ class TorchAttention:
     ) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
         k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if not self.v_in_k:
+            v_cache.view(hkv, -1, self.v_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     def attend(
         self,
@@ -309,7 +328,7 @@ class TorchAttention:
         # from there (a fresh prompt uses k and v directly).
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, window)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(
                 q[: meta.num_decodes], k_cache, v_cache, meta, window
@@ -347,7 +366,10 @@ class TorchAttention:
             return kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale)
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
-        values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, d)
+        if self.v_in_k:
+            values = keys[..., : self.v_dim]
+        else:
+            values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, self.v_dim)
         # Padding past each sequence's length: bias [1, B, 1, L], 0 to attend, -inf to hide.
         span = torch.arange(keys.shape[2], device=q.device)[None, :]
         if meta.decode_kv_start is not None:
@@ -364,8 +386,8 @@ class TorchAttention:
         scores = self._mm(qh, keys.transpose(-1, -2)).float()  # [Hkv, B, group, L]
         scores.mul_(self.scale).add_(bias)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = self._mm(probs, values)  # [Hkv, B, group, D]
-        return out.transpose(0, 1).reshape(b, self.num_heads, d)
+        out = self._mm(probs, values)  # [Hkv, B, group, Dv]
+        return out.transpose(0, 1).reshape(b, self.num_heads, self.v_dim)
 
     def _prefill(
         self,
@@ -411,10 +433,10 @@ class TorchAttention:
                 p.token_start : p.token_end
             ].transpose(0, 1)
         n = p.context_len - p.kv_start
-        return (
-            self._gather(k_cache, p.block_table)[:, :n],
-            self._gather(v_cache, p.block_table)[:, :n],
-        )
+        keys = self._gather(k_cache, p.block_table)[:, :n]
+        if self.v_in_k:
+            return keys, keys[..., : self.v_dim]
+        return keys, self._gather(v_cache, p.block_table)[:, :n]
 
     def _windowed_prefill(
         self,
@@ -446,7 +468,7 @@ class TorchAttention:
         what two chunks of prefill compute, in one step. [Lq, Hq, D]"""
         lq, head = p.token_end - p.token_start, _SHORT_PREFILL
         ks, vs = k[p.token_start : p.token_end], v[p.token_start : p.token_end]
-        out = torch.empty_like(q[p.token_start : p.token_end])
+        out = q.new_empty(lq, self.num_heads, self.v_dim)
         out[:head] = self._short_prefill(
             q[p.token_start : p.token_start + head], ks[:head], vs[:head]
         )
@@ -498,5 +520,6 @@ class TorchAttention:
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
             scores.mul_(self.scale).masked_fill_(causal, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype).view(hkv, g * n, n)
-        out = self._mm(probs, v.transpose(0, 1))  # [Hkv, g * L, D]
-        return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)
+        out = self._mm(probs, v.transpose(0, 1))  # [Hkv, g * L, Dv]
+        dv = self.v_dim
+        return out.view(hkv, g, n, dv).permute(2, 0, 1, 3).reshape(n, self.num_heads, dv)

@@ -102,3 +102,28 @@ def _torch_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
 
 
 register(BackendEntry("torch-paged", _torch_supports, _torch_build))
+
+
+def _latent_supports(spec: KVSpec, options: BackendOptions) -> str | None:
+    if spec.kind != "latent":
+        return f"it reads latent vectors, not {spec.kind!r} K/V"
+    return None
+
+
+def _latent_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
+    """Multi-head latent attention, absorbed: every query head (its no-position part already
+    multiplied into the latent space) attends over the one latent vector a token, and the
+    output is in the latent space too (the model projects it to each head's value)."""
+    return TorchAttention(
+        options.num_heads,
+        1,
+        spec.k_dim,
+        upcast=options.upcast,
+        scale=options.scale,
+        kv_dtype=getattr(torch, spec.dtype),
+        v_dim=spec.v_dim,
+        v_in_k=True,
+    )
+
+
+register(BackendEntry("torch-latent", _latent_supports, _latent_build))

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvgate.errors import UnsupportedModel
-from kvgate.model.architectures import Architecture, architecture
+
+if TYPE_CHECKING:
+    from kvgate.model.architectures import Architecture
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling as Llama-3-style configs describe it.
+    """RoPE frequency scaling as HF configs describe it.
 
-    ``kind``: ``"linear"`` (positions divided by ``factor``) or ``"llama3"`` (low frequencies
-    divided by ``factor``, high ones kept, a smooth ramp in between).
+    ``kind``: ``"linear"`` (positions divided by ``factor``), ``"llama3"`` (low frequencies
+    divided by ``factor``, high ones kept, a smooth ramp in between) or ``"yarn"`` (the same
+    idea with the ramp between ``beta_fast`` and ``beta_slow`` rotations over the original
+    context, and cos/sin scaled by ``attention_factor``).
     """
 
     kind: str
@@ -21,6 +27,31 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: YaRN's magnitude constants (``yarn_mscale``), where the config gives them.
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    #: cos/sin scale; None: from ``factor`` (and ``mscale`` / ``mscale_all_dim``).
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 mscale ln(factor) + 1 (1 for no stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +85,9 @@ class ModelConfig:
     hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     #: logits <- tanh(logits / cap) * cap (Gemma 2 style); None: none.
     final_logit_softcapping: float | None = None
+    #: The architecture's own settings, a frozen dataclass its model module defines and reads
+    #: (DeepSeek's latent attention and experts); None: it has none.
+    arch_fields: Any = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -88,7 +122,9 @@ class ModelConfig:
 
     @property
     def arch(self) -> Architecture:
-        """What this architecture's layers hold and read (``architectures.py``)."""
+        """Its architecture's record (declared in its model module, ``architectures.py``)."""
+        from kvgate.model.architectures import architecture  # the registry imports models
+
         return architecture(self.architecture)
 
     @property

@@ -414,6 +414,7 @@ class _Fields:
 def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) -> ModelConfig:
     architecture = from_gguf_name(fields.get("general.architecture"), file)
     arch = architecture.gguf_name  # the prefix of its metadata keys
+    assert arch is not None  # from_gguf_name matched it
     f = _Fields(fields, file)
     hidden = f.pos_int(f"{arch}.embedding_length")
     heads = f.pos_int(f"{arch}.attention.head_count")
@@ -492,7 +493,9 @@ def _tokenizer_from_fields(fields: dict[str, Any], file: str) -> Tokenizer:
         raise CorruptWeights(f"{file}: token_type and tokens differ in length", path=file)
     # The architecture may be unknown here (load_gguf_tokenizer): its defaults are optional.
     name = fields.get("general.architecture")
-    arch = next((a for a in architectures() if a.gguf_name == name), None)
+    arch = next(
+        (a for a in architectures() if a.gguf_name is not None and a.gguf_name == name), None
+    )
     template = f.opt_str("tokenizer.chat_template")
     if template is None and arch is not None:
         template = arch.default_chat_template

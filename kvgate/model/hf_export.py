@@ -47,10 +47,21 @@ def hf_config(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, Any]:
         config["rope_scaling"] = {
             "rope_type": s.kind,
             "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
+        if s.kind == "llama3":
+            config["rope_scaling"].update(
+                low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor
+            )
+        elif s.kind == "yarn":
+            config["rope_scaling"].update(
+                beta_fast=s.beta_fast,
+                beta_slow=s.beta_slow,
+                mscale=s.mscale,
+                mscale_all_dim=s.mscale_all_dim,
+                attention_factor=s.attention_factor,
+                truncate=s.truncate,
+            )
     return config
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -117,8 +117,7 @@ def config_from_hf(
     bos = raw.get("bos_token_id")
     if not isinstance(bos, int) and tokenizer is not None:
         bos = tokenizer.bos_token_id
-    return make_config(
-        file,
+    fields: dict[str, Any] = dict(
         architecture=arch.name,
         vocab_size=raw.get("vocab_size"),
         hidden_size=hidden,
@@ -134,8 +133,9 @@ def config_from_hf(
         rope_scaling=rope_scaling,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=tuple(dict.fromkeys(eos)),
-        **extra,
     )
+    fields.update(extra)  # the architecture's own readings win (DeepSeek's head dim)
+    return make_config(file, **fields)
 
 
 def positive_int(raw: Mapping[str, Any], key: str, file: str) -> int:
@@ -166,9 +166,10 @@ def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | Non
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return theta, None
-    if kind not in ("linear", "llama3"):
+    if kind not in ("linear", "llama3", "yarn"):
         raise UnsupportedModel(
-            f"{file}: rope type {kind!r} is not supported (supported: default, linear, llama3)",
+            f"{file}: rope type {kind!r} is not supported (supported: default, linear, llama3, "
+            "yarn)",
             path=file,
         )
 
@@ -184,6 +185,8 @@ def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | Non
     factor = number("factor")
     if kind == "linear":
         return theta, RopeScaling(kind="linear", factor=factor)
+    if kind == "yarn":
+        return theta, _yarn(scaling, factor, number, file)
     low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
     original = scaling.get("original_max_position_embeddings", 8192)
     if high <= low or not isinstance(original, int) or isinstance(original, bool) or original <= 0:
@@ -193,6 +196,34 @@ def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | Non
             path=file,
         )
     return theta, RopeScaling("llama3", factor, low, high, original)
+
+
+def _yarn(
+    scaling: Mapping[str, Any], factor: float, number: Callable[..., float], file: str
+) -> RopeScaling:
+    """YaRN's settings, with transformers' defaults for those a config leaves out."""
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise CorruptWeights(
+            f"{file}: yarn rope scaling needs a positive original_max_position_embeddings, "
+            f"got {original!r}",
+            path=file,
+        )
+
+    def optional(key: str) -> float | None:
+        return None if not scaling.get(key) else number(key)  # 0, as transformers reads it: unset
+
+    return RopeScaling(
+        "yarn",
+        factor,
+        original_max_position_embeddings=original,
+        beta_fast=number("beta_fast", 32.0) if scaling.get("beta_fast") else 32.0,
+        beta_slow=number("beta_slow", 1.0) if scaling.get("beta_slow") else 1.0,
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=scaling.get("truncate", True) is not False,
+    )
 
 
 def is_number(value: object) -> TypeGuard[int | float]:

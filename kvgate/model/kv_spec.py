@@ -4,8 +4,10 @@ of attention backend (``attention_backends.py``). Tensor-free.
 
 A spec is the page format, not the arithmetic: a ``"full"`` layer keeps every position's K
 and V; a ``"sliding"`` one the same format, of which only its last ``window`` positions are
-read. A new kind of cache (a compressed latent, a lower-precision copy) is a new spec kind
-and a backend that says it ``supports`` it.
+read; a ``"latent"`` one (multi-head latent attention, DeepSeek) keeps one compressed vector
+per token, read as the key of every head, whose first ``v_dim`` entries are the value too:
+no V is stored. A new kind of cache (a compressed one, a lower-precision copy) is a new spec
+kind and a backend that says it ``supports`` it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, replace
 
 #: Bytes per element of the KV dtypes a spec may name (torch's names, without ``torch.``).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-KINDS = ("full", "sliding")
+KINDS = ("full", "sliding", "latent")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class KVSpec:
             raise ValueError(f"a sliding window must be positive, got {self.window}")
         if min(self.num_kv_heads, self.k_dim, self.v_dim) <= 0:
             raise ValueError(f"KV spec sizes must be positive: {self}")
+        if self.kind == "latent" and (self.num_kv_heads != 1 or self.v_dim > self.k_dim):
+            raise ValueError(f"a latent KV spec is one vector a token, its value within it: {self}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"KV dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -55,13 +59,24 @@ class KVSpec:
         return replace(self, dtype=dtype)
 
     @property
-    def page_format(self) -> tuple[int, int, int, str]:
+    def page_format(self) -> tuple[int, int, int, str, bool]:
         """What two specs must share to keep their layers' pages in the same tensors."""
-        return (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
+        return (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype, self.stores_v)
+
+    @staticmethod
+    def latent(dim: int, value_dim: int, dtype: str = "bfloat16") -> KVSpec:
+        """Latent attention: one ``dim`` vector a token, its first ``value_dim`` the value."""
+        return KVSpec("latent", 1, dim, value_dim, dtype)
+
+    @property
+    def stores_v(self) -> bool:
+        """Whether V has pages of its own (not for a latent spec: V is within K)."""
+        return self.kind != "latent"
 
     def bytes_per_token(self) -> int:
         """K and V of one token of one layer."""
-        return self.num_kv_heads * (self.k_dim + self.v_dim) * DTYPE_BYTES[self.dtype]
+        dims = self.k_dim + (self.v_dim if self.stores_v else 0)
+        return self.num_kv_heads * dims * DTYPE_BYTES[self.dtype]
 
     def page_bytes(self, block_size: int) -> int:
         """One block of one layer: ``block_size`` tokens' K and V."""

@@ -32,8 +32,12 @@ def test_a_spec_knows_its_page_bytes_and_refuses_what_it_cannot_be() -> None:
     assert spec.page_bytes(16) == 16 * spec.bytes_per_token()
     assert spec.with_dtype("float32").page_bytes(16) == 2 * spec.page_bytes(16)
     assert KVSpec.attention(2, 64, window=128).kind == "sliding"
+    latent = KVSpec.latent(dim=40, value_dim=32, dtype="float32")
+    assert not latent.stores_v and latent.bytes_per_token() == 40 * 4  # V is within K
     for bad in (
-        dict(kind="latent", num_kv_heads=1, k_dim=8, v_dim=8),
+        dict(kind="compressed", num_kv_heads=1, k_dim=8, v_dim=8),
+        dict(kind="latent", num_kv_heads=2, k_dim=8, v_dim=8),  # one vector a token
+        dict(kind="latent", num_kv_heads=1, k_dim=8, v_dim=16),  # V within K
         dict(kind="sliding", num_kv_heads=1, k_dim=8, v_dim=8),  # no window
         dict(kind="full", num_kv_heads=1, k_dim=8, v_dim=8, window=4),
         dict(kind="full", num_kv_heads=0, k_dim=8, v_dim=8),
@@ -76,7 +80,7 @@ def test_the_registry_chooses_a_backend_that_supports_the_spec_or_says_why_none_
     assert name == "torch-paged" and isinstance(backend, TorchAttention)
     assert backend.kv_cache_shape(10, 16) == (2, 10, 16, 16)
     assert backend.kv_dtype == torch.float32
-    # Keys and values of different sizes (an MLA latent cache's shape): torch-paged says no.
+    # Keys and values of different sizes: torch-paged says no.
     odd = KVSpec("full", 1, 24, 16)
     with pytest.raises(UnsupportedModel, match="torch-paged: its K and V have one head size"):
         select_backend(odd, options)

@@ -1,5 +1,5 @@
 """The forward pass matches HF transformers on the Llama-family variants the loader accepts:
-Llama-3 and linear RoPE scaling, an untied LM head, Qwen2's q/k/v biases and Qwen3's q/k
+Llama-3, linear and YaRN RoPE scaling, an untied LM head, Qwen2's q/k/v biases and Qwen3's q/k
 norms."""
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    # YaRN (Qwen2.5's long-context setting): prompt positions before, in and past its ramp.
+    "yarn-rope": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "untied-head": {"tie_word_embeddings": False},
     "qwen2-bias": {"model_type": "qwen2"},
     "qwen3-qk-norm": {"model_type": "qwen3"},
