@@ -37,7 +37,7 @@ _COMMON: dict[str, Any] = {
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
+    "num_experts_per_tok": 3,  # three: the order of their sum shows in fp32
     "first_k_dense_replace": 1,
     "max_position_embeddings": 2048,
     "n_group": 4,
@@ -206,3 +206,30 @@ def test_what_it_cannot_run_is_refused_naming_it(
         config_file.write_text(json.dumps(raw))
         with pytest.raises((UnsupportedModel, CorruptWeights), match=words):
             load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("variant", ["v3", "v2"])
+def test_grouped_experts_equal_transformers_bit_for_bit(
+    variant: str, tiny: dict[str, dict[str, Any]]
+) -> None:
+    """One MoE layer on 200 rows: the experts run grouped (one slice each) and each row's
+    experts are summed in the order of transformers' eager loop (ascending expert, from
+    zero), so fp32 outputs are identical to it. (Its default ``grouped_mm`` sums in another
+    order: the greedy tests above hold against that one.)"""
+    case = tiny[variant]
+    llm = LLM(str(case["dir"]), dtype="float32", kv_cache_memory="16MiB")
+    model = llm.engine.model
+    assert isinstance(model, DeepseekModel)
+    layer = model.layers[1]
+    assert layer.moe is not None
+    h = torch.randn(200, 64, generator=torch.Generator().manual_seed(1))
+    reference = case["model"]
+    default = reference.config._experts_implementation
+    reference.set_experts_implementation("eager")
+    try:
+        with torch.no_grad():
+            want = reference.model.layers[1].mlp(h.unsqueeze(0)).squeeze(0)
+            got = model._moe(layer.moe, h, None)
+    finally:
+        reference.set_experts_implementation(default)
+    assert torch.equal(got, want)
