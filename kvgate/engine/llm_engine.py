@@ -92,6 +92,13 @@ class EngineStep:
             self.error = exc
             return False
 
+    def fail(self, exc: Exception) -> None:
+        """Abandon the step where it stands: it fails its requests when it ends."""
+        if self.error is None:
+            self.error = exc
+        if self.runner is not None:
+            self.runner.close()
+
 
 @dataclass
 class _OutputState:
@@ -442,6 +449,8 @@ class LLMEngine:
     def end_step(self, step: EngineStep) -> list[RequestOutput]:
         """Run what is left of ``step``, update the requests with its tokens, and return
         their outputs (and those of requests that ended before it ran)."""
+        if step.done:
+            raise RuntimeError("a step ended twice")
         sched, stats = step.sched, step.stats
         runner_out = None
         if step.error is None:

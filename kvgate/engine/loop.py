@@ -154,7 +154,11 @@ class EngineLoop:
         each two layers (``_between_layers``), then ended."""
         step = self.engine.begin_step(pause=True)
         while step.advance():
-            self._between_layers(step)
+            try:
+                self._between_layers(step)
+            except Exception as exc:  # a bug there fails the step in flight, as a kernel would
+                log.exception("taking in work between two layers failed; failing the step")
+                step.fail(exc)
         return self.engine.end_step(step)
 
     def _between_layers(self, step: EngineStep) -> None:

@@ -49,6 +49,10 @@ def _as_is(_: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+def _never(*_: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str
@@ -81,6 +85,9 @@ class Architecture:
     gguf_fields: Callable[[GGUFMetadata, str, int], dict[str, Any]] = _no_fields
     #: A config.json for transformers from the generic one ``export_hf(config, hf)``.
     export_hf: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] = _as_is
+    #: Weights a checkpoint may hold that the forward pass does not read (DeepSeek-V3's
+    #: multi-token-prediction layers): dropped at load instead of refused.
+    unused_weight: Callable[[ModelConfig, str], bool] = _never
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         return self.weight_shapes(self, config)

@@ -212,10 +212,11 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
     def _experts(self, weights: Mapping[str, Weight], p: str) -> Experts:
         c, f = self.config, self.fields
         n = f.num_experts
-        router = self._vector(weights, p + "gate.weight", (n, c.hidden_size)).float()
+        dev, f32 = self.device, torch.float32  # routing is in float32
+        router = self._vector(weights, p + "gate.weight", (n, c.hidden_size)).to(dev, f32)
         bias = None
         if f.scoring == "sigmoid":
-            bias = self._vector(weights, p + "gate.e_score_correction_bias", (n,)).float()
+            bias = self._vector(weights, p + "gate.e_score_correction_bias", (n,)).to(dev, f32)
         inter = f.moe_intermediate_size
         experts = tuple(self._mlp(weights, f"{p}experts.{e}.", inter) for e in range(n))
         shared = None
@@ -434,17 +435,35 @@ def _hf_fields(raw: Mapping[str, Any], file: str, v3: bool) -> dict[str, Any]:
         raise UnsupportedModel(f"{file}: attention_bias is not supported", path=file)
     if raw.get("moe_layer_freq", 1) != 1:
         raise UnsupportedModel(f"{file}: moe_layer_freq other than 1 is not supported", path=file)
-    q_lora = raw.get("q_lora_rank")
+    # transformers' defaults where a key is missing (its configs list every one of them).
+    defaults: dict[str, Any] = (
+        {"q_lora_rank": 1536, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+         "n_shared_experts": 1}
+        if v3
+        else {"q_lora_rank": 1536, "n_group": None, "topk_group": None,
+              "first_k_dense_replace": 0, "n_shared_experts": 2}
+    )  # fmt: skip
+    raw = {**defaults, **raw}
+    q_lora = raw["q_lora_rank"]
     experts = positive_int(raw, "n_routed_experts", file)
-    n_group = raw.get("n_group") or 1
-    topk_group = raw.get("topk_group") or n_group
+    per_token = positive_int(raw, "num_experts_per_tok", file)
+    n_group = raw["n_group"] or 1
+    topk_group = raw["topk_group"] or n_group
     method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
     if not v3 and method not in ("greedy", "group_limited_greedy"):
         raise UnsupportedModel(f"{file}: topk_method {method!r} is not supported", path=file)
-    if not isinstance(n_group, int) or experts % n_group or not 0 < topk_group <= n_group:
+    limited = v3 or method == "group_limited_greedy"
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) for v in (n_group, topk_group))
+        or experts % n_group
+        or not 0 < topk_group <= n_group
+        or (v3 and experts // n_group < 2)  # a group scores by its two best experts
+        or per_token > (topk_group * experts // n_group if limited else experts)
+    ):
         raise CorruptWeights(
-            f"{file}: n_group {n_group!r} must divide n_routed_experts ({experts}) and hold "
-            f"topk_group ({topk_group!r})",
+            f"{file}: n_group {n_group!r}, topk_group {topk_group!r} and num_experts_per_tok "
+            f"{per_token} do not fit {experts} experts (n_group must divide them, hold "
+            "topk_group groups, and those groups at least num_experts_per_tok experts)",
             path=file,
         )
     fields = DeepseekFields(
@@ -454,20 +473,18 @@ def _hf_fields(raw: Mapping[str, Any], file: str, v3: bool) -> dict[str, Any]:
         qk_rope_head_dim=positive_int(raw, "qk_rope_head_dim", file),
         v_head_dim=positive_int(raw, "v_head_dim", file),
         rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
-        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        first_k_dense_replace=int(raw["first_k_dense_replace"] or 0),
         num_experts=experts,
-        experts_per_token=positive_int(raw, "num_experts_per_tok", file),
-        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        experts_per_token=per_token,
+        num_shared_experts=int(raw["n_shared_experts"] or 0),
         moe_intermediate_size=positive_int(raw, "moe_intermediate_size", file),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
         scoring="sigmoid" if v3 else "softmax",
-        group_limited=v3 or method == "group_limited_greedy",
+        group_limited=limited,
         n_group=n_group,
         topk_group=topk_group,
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
     )
-    if fields.experts_per_token > experts:
-        raise CorruptWeights(f"{file}: num_experts_per_tok exceeds n_routed_experts", path=file)
     # The softmax scale: of the whole q.k head, times YaRN's mscale (all dims) squared.
     scale = fields.qk_head_dim**-0.5
     _, scaling = read_rope(raw, file)
@@ -518,6 +535,15 @@ def deepseek_export_hf(c: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def deepseek_unused_weight(config: ModelConfig, name: str) -> bool:
+    """The multi-token-prediction layers DeepSeek-V3 checkpoints carry after the last layer
+    (``num_nextn_predict_layers``): a speculative head this forward pass does not run."""
+    if not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and int(index) >= config.num_layers
+
+
 DEEPSEEK_V2 = Architecture(
     "deepseek_v2",
     ("deepseek_v2",),
@@ -537,5 +563,6 @@ DEEPSEEK_V3 = Architecture(
     deepseek_weights,
     hf_fields=deepseek_v3_hf_fields,
     export_hf=deepseek_export_hf,
+    unused_weight=deepseek_unused_weight,
 )
 ARCHITECTURES = (DEEPSEEK_V2, DEEPSEEK_V3)

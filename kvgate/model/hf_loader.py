@@ -54,7 +54,8 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     if config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) head; the forward pass reuses embed.
         weights.pop("lm_head.weight", None)
-    for name in [n for n in weights if n.endswith(_IGNORED_SUFFIXES)]:
+    unused = config.arch.unused_weight
+    for name in [n for n in weights if n.endswith(_IGNORED_SUFFIXES) or unused(config, n)]:
         del weights[name]
     # Where a missing tensor should have been: the shard index, or the one weights file.
     files = set(sources.values())
@@ -94,6 +95,14 @@ def config_from_hf(
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModel(f"{file}: mlp_bias is not supported", path=file)
+    quantized = raw.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
+        raise UnsupportedModel(
+            f"{file}: quantized checkpoints ({method}) are not supported; use a bf16 or fp32 "
+            "directory, or a GGUF file",
+            path=file,
+        )
     # Biases on q, k and v are an architecture's own (Qwen2's). Elsewhere attention_bias
     # also biases o_proj, which this forward pass does not have.
     if not arch.qkv_bias and raw.get("attention_bias"):
@@ -182,11 +191,11 @@ def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | Non
             )
         return float(value)
 
+    if kind == "yarn":
+        return theta, _yarn(scaling, raw.get("max_position_embeddings"), number, file)
     factor = number("factor")
     if kind == "linear":
         return theta, RopeScaling(kind="linear", factor=factor)
-    if kind == "yarn":
-        return theta, _yarn(scaling, factor, number, file)
     low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
     original = scaling.get("original_max_position_embeddings", 8192)
     if high <= low or not isinstance(original, int) or isinstance(original, bool) or original <= 0:
@@ -199,16 +208,18 @@ def read_rope(raw: Mapping[str, Any], file: str) -> tuple[Any, RopeScaling | Non
 
 
 def _yarn(
-    scaling: Mapping[str, Any], factor: float, number: Callable[..., float], file: str
+    scaling: Mapping[str, Any], max_pos: object, number: Callable[..., float], file: str
 ) -> RopeScaling:
-    """YaRN's settings, with transformers' defaults for those a config leaves out."""
-    original = scaling.get("original_max_position_embeddings")
+    """YaRN's settings, with transformers' defaults for those a config leaves out (the
+    original context: the model's own)."""
+    original = scaling.get("original_max_position_embeddings") or max_pos
     if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
         raise CorruptWeights(
             f"{file}: yarn rope scaling needs a positive original_max_position_embeddings, "
             f"got {original!r}",
             path=file,
         )
+    factor = number("factor")  # required, as transformers' validation requires it
 
     def optional(key: str) -> float | None:
         return None if not scaling.get(key) else number(key)  # 0, as transformers reads it: unset
@@ -217,12 +228,12 @@ def _yarn(
         "yarn",
         factor,
         original_max_position_embeddings=original,
-        beta_fast=number("beta_fast", 32.0) if scaling.get("beta_fast") else 32.0,
-        beta_slow=number("beta_slow", 1.0) if scaling.get("beta_slow") else 1.0,
+        beta_fast=number("beta_fast") if scaling.get("beta_fast") else 32.0,
+        beta_slow=number("beta_slow") if scaling.get("beta_slow") else 1.0,
         mscale=optional("mscale"),
         mscale_all_dim=optional("mscale_all_dim"),
         attention_factor=optional("attention_factor"),
-        truncate=scaling.get("truncate", True) is not False,
+        truncate=bool(scaling.get("truncate", True)),
     )
 
 

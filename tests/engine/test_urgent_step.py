@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvgate.engine.llm_engine import EngineStep, LLMEngine
+from kvgate.engine.loop import Add, EngineLoop
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import FifoPolicy, SchedulingPolicy, TenantFairPolicy, TenantShare
 from kvgate.sampling_params import SamplingParams
@@ -142,3 +144,65 @@ def test_with_every_slot_taken_it_runs_one_over_only_where_it_could_preempt(
     while engine.has_unfinished():
         engine.step()
     assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+class _Collect:
+    """A ``Sink`` that keeps what the loop hands it."""
+
+    def __init__(self) -> None:
+        self.got: list[RequestOutput] = []
+        self.errors: list[tuple[str, BaseException]] = []
+
+    def outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        self.got.extend(outputs)
+
+    def error(self, request_id: str, exc: BaseException) -> None:
+        self.errors.append((request_id, exc))
+
+    def gone(self, request_ids: Sequence[str]) -> None:
+        pass
+
+    def published(self) -> None:
+        pass
+
+    def dead(self, exc: BaseException, *, shutdown: bool = False) -> None:
+        raise AssertionError(f"the loop died: {exc!r}")
+
+
+def test_a_failure_between_layers_fails_the_step_in_flight_not_the_engine(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work taken in between two layers that fails (a bug in the urgent path) fails the
+    step in flight as a kernel error would: its requests end with an error, their blocks go
+    back, the request that just arrived still waits, and nothing is recovered engine-wide."""
+    engine = _engine(tiny_llama_dir, _fair())
+    sink = _Collect()
+    loop = EngineLoop(engine, sink)  # driven here, on this thread: not started
+    engine.add(engine.make_request("flood", list(range(100, 160)), GREEDY, tenant="flooder"))
+    loop._step()  # its prefill
+
+    def broken() -> None:
+        raise RuntimeError("urgent path bug")
+
+    monkeypatch.setattr(engine.scheduler, "schedule_urgent", broken)
+    loop.put(Add(engine.make_request("quiet", QUIET_PROMPT, GREEDY, tenant="quiet")))
+    outs = loop._step()  # the quiet request arrives between two layers of this one
+    (failed,) = [o for o in outs if o.finished]
+    assert failed.request_id == "flood" and failed.finish_reason == "error"
+    assert "urgent path bug" in (failed.error or "")
+    assert engine.num_recoveries == 0
+    assert "quiet" in engine.scheduler.requests  # taken in, still waiting its turn
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_a_step_ends_once(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, FifoPolicy())
+    engine.add(engine.make_request("r", list(range(100, 110)), GREEDY))
+    step = engine.begin_step()
+    engine.end_step(step)
+    with pytest.raises(RuntimeError, match="ended twice"):
+        engine.end_step(step)
+    assert engine.step_urgent(step) == []  # nothing runs inside a step that ended

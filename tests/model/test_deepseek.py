@@ -62,7 +62,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "v3": {"kind": "v3", "q_lora_rank": 48, "n_shared_experts": 1, "rope_parameters": _YARN},
     # V3 with its rotary dims as halves, not pairs, and no bottleneck or YaRN.
     "v3-halves": {"kind": "v3", "q_lora_rank": None, "rope_interleave": False},
-    # V2 (Lite's shape): no q bottleneck, group-limited softmax routing, two shared experts.
+    # V2-Lite's routing: plain greedy top-k over every expert.
+    "v2-greedy": {
+        "kind": "v2",
+        "q_lora_rank": None,
+        "n_shared_experts": 2,
+        "topk_method": "greedy",
+    },
+    # V2: no q bottleneck, group-limited softmax routing, two shared experts.
     "v2": {
         "kind": "v2",
         "q_lora_rank": None,
@@ -233,3 +240,27 @@ def test_grouped_experts_equal_transformers_bit_for_bit(
     finally:
         reference.set_experts_implementation(default)
     assert torch.equal(got, want)
+
+
+def test_multi_token_prediction_layers_are_dropped_and_fp8_refused(
+    tiny: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A V3 checkpoint as DeepSeek ships it carries its MTP layer after the last one: it is
+    not read (the tokens still match). A quantized checkpoint is refused, naming it."""
+    from safetensors.torch import save_file
+
+    case = tiny["v3"]
+    directory = tmp_path / "with-mtp"
+    shutil.copytree(case["dir"], directory)
+    layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+    mtp = {f"model.layers.{layers}.eh_proj.weight": torch.zeros(64, 128)}
+    save_file(mtp, str(directory / "mtp.safetensors"))
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory="16MiB")
+    assert _greedy(llm, case["prompts"][:2]) == case["expected"][:2]
+
+    config_file = directory / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}
+    config_file.write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModel, match="quantized checkpoints \\(fp8\\)"):
+        load_checkpoint(directory)
