@@ -59,6 +59,10 @@ class EngineSnapshot:
     recoveries: int
     tenants: Mapping[str, TenantSnapshot]
     build_info: Mapping[str, str]  # what runs each op (fixed at load)
+    #: The pool's size (fixed at load): tokens it holds, and the bytes a token of KV costs
+    #: across every layer, as the model's KV specs lay it out (``kv_spec.py``).
+    kv_capacity_tokens: int = 0
+    kv_bytes_per_token: int = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled for the front end when the engine runs in a process of its own: the
@@ -122,6 +126,8 @@ class EngineSnapshot:
             recoveries=engine.num_recoveries,
             tenants=MappingProxyType(tenants),
             build_info=MappingProxyType(dict(getattr(engine, "build_info", {}))),
+            kv_capacity_tokens=engine.kv_pool.num_tokens,
+            kv_bytes_per_token=engine.kv_pool.bytes // max(engine.kv_pool.num_tokens, 1),
         )
 
 

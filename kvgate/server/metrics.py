@@ -140,6 +140,17 @@ class EngineCollector(Collector):
                 snap.preemptions,
             )
             gauge(
+                "kvgate:kv_cache_capacity_tokens",
+                "Tokens of KV the pool holds (fixed at load).",
+                snap.kv_capacity_tokens,
+            )
+            gauge(
+                "kvgate:kv_cache_bytes_per_token",
+                "Bytes a token of KV costs across every layer, as the model's KV specs lay it "
+                "out (a latent cache keeps one vector a token and layer; fixed at load).",
+                snap.kv_bytes_per_token,
+            )
+            gauge(
                 "kvgate:kv_fragmentation_ratio",
                 "Reserved but unfilled KV slots over reserved slots (running requests).",
                 snap.kv_fragmentation,

@@ -71,3 +71,7 @@ def test_metrics_are_never_torn_during_a_cancel_storm(live_server: LiveServer) -
     assert added - metric(before, "kvgate:engine_requests_added_total") >= 20
     assert scrapes >= 20 and busiest >= 2
     assert after['kvgate:kv_cache_blocks{model_name="tiny",state="used"}'] == 0
+    # The pool's size: tokens, and a token's bytes (the tiny Llama: K and V, float32).
+    tokens = metric(after, "kvgate:kv_cache_capacity_tokens")
+    assert tokens == metric(after, "kvgate:kv_cache_blocks") * 16
+    assert metric(after, "kvgate:kv_cache_bytes_per_token") == 2 * 2 * 2 * 16 * 4
