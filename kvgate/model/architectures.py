@@ -40,6 +40,12 @@ class GGUFMetadata(Protocol):
 
     def opt_pos_float(self, key: str) -> float | None: ...
 
+    def opt_int(self, key: str) -> int | None: ...
+
+    def opt_bool(self, key: str) -> bool | None: ...
+
+    def opt_str(self, key: str) -> str | None: ...
+
 
 def _no_fields(*_: Any) -> dict[str, Any]:
     return {}
@@ -51,6 +57,10 @@ def _as_is(_: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
 
 def _never(*_: Any) -> bool:
     return False
+
+
+def _as_loaded(weights: dict[str, Any], _: ModelConfig) -> dict[str, Any]:
+    return weights
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,10 @@ class Architecture:
     #: Weights a checkpoint may hold that the forward pass does not read (DeepSeek-V3's
     #: multi-token-prediction layers): dropped at load instead of refused.
     unused_weight: Callable[[ModelConfig, str], bool] = _never
+    #: A GGUF's tensors (under the HF names ``gguf_layer_names`` gives them) made into the
+    #: weights ``weights`` lists, where llama.cpp stores them otherwise (DeepSeek's experts
+    #: stacked in one tensor a layer, its ``kv_b`` split in two).
+    gguf_tensors: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] = _as_loaded
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         return self.weight_shapes(self, config)

@@ -33,14 +33,15 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
-from kvgate.model.architectures import Architecture
+from kvgate.model.architectures import Architecture, GGUFMetadata
 from kvgate.model.attention import AttentionBackend, AttentionMetadata
-from kvgate.model.config import ModelConfig, yarn_mscale
+from kvgate.model.config import ModelConfig, RopeScaling, yarn_mscale
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.decoder import DecoderModel, head_weights, per_layer
 from kvgate.model.hf_loader import positive_int, read_rope
 from kvgate.model.kv_spec import KVSpec
 from kvgate.model.linear import Linear, Weight
+from kvgate.model.quant_tensor import QuantTensor
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 from kvgate.model.row_roles import RowRoles, apply
 
@@ -485,18 +486,22 @@ def _hf_fields(raw: Mapping[str, Any], file: str, v3: bool) -> dict[str, Any]:
         topk_group=topk_group,
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
     )
-    # The softmax scale: of the whole q.k head, times YaRN's mscale (all dims) squared.
-    scale = fields.qk_head_dim**-0.5
     _, scaling = read_rope(raw, file)
-    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim:
-        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
     heads = positive_int(raw, "num_attention_heads", file)
     return {
         "arch_fields": fields,
         "head_dim": fields.qk_head_dim,
         "num_kv_heads": heads,
-        "attention_scale": scale,
+        "attention_scale": _softmax_scale(fields, scaling),
     }
+
+
+def _softmax_scale(fields: DeepseekFields, scaling: RopeScaling | None) -> float:
+    """Of the whole q.k head, times YaRN's mscale over all dims, squared."""
+    scale: float = fields.qk_head_dim**-0.5
+    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim:
+        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
 
 def deepseek_v2_hf_fields(raw: Mapping[str, Any], file: str) -> dict[str, Any]:
@@ -535,6 +540,133 @@ def deepseek_export_hf(c: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: llama.cpp's per-layer names of DeepSeek's tensors. The stacked experts and the split
+#: ``kv_b`` land under names of their own that ``deepseek_gguf_tensors`` takes apart.
+_GGUF_LAYER_NAMES = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b.stacked",
+    "attn_v_b.weight": "self_attn.v_b.stacked",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.stacked",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.stacked",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.stacked",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+
+
+def deepseek_gguf_fields(f: GGUFMetadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """llama.cpp's ``deepseek2`` keys (its converter writes V2 and V3 alike). Its head
+    counts describe the latent cache as one KV head; the per-head sizes are the ``_mla``
+    lengths (older files: the plain ones). The gating function tells V3's sigmoid routing
+    with a choice bias from V2's softmax."""
+    heads = f.pos_int(f"{arch}.attention.head_count")
+    latent = f.pos_int(f"{arch}.attention.kv_lora_rank")
+    rope = f.pos_int(f"{arch}.rope.dimension_count")
+    key = f.opt_int(f"{arch}.attention.key_length_mla") or f.pos_int(f"{arch}.attention.key_length")
+    value = f.opt_int(f"{arch}.attention.value_length_mla") or f.pos_int(
+        f"{arch}.attention.value_length"
+    )
+    if key <= rope:
+        raise CorruptWeights(
+            f"{arch}: key length {key} leaves no room for {rope} rotary dims", path=arch
+        )
+    sigmoid = f.opt_int(f"{arch}.expert_gating_func") == 2  # llama.cpp: 1 softmax, 2 sigmoid
+    experts = f.pos_int(f"{arch}.expert_count")
+    n_group = f.opt_int(f"{arch}.expert_group_count") or 1
+    fields = DeepseekFields(
+        q_lora_rank=f.opt_int(f"{arch}.attention.q_lora_rank"),
+        kv_lora_rank=latent,
+        qk_nope_head_dim=key - rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=value,
+        rope_interleave=True,  # llama.cpp rotates DeepSeek's pairs as they are
+        first_k_dense_replace=f.opt_int(f"{arch}.leading_dense_block_count") or 0,
+        num_experts=experts,
+        experts_per_token=f.pos_int(f"{arch}.expert_used_count"),
+        num_shared_experts=f.opt_int(f"{arch}.expert_shared_count") or 0,
+        moe_intermediate_size=f.pos_int(f"{arch}.expert_feed_forward_length"),
+        routed_scaling_factor=f.opt_pos_float(f"{arch}.expert_weights_scale") or 1.0,
+        scoring="sigmoid" if sigmoid else "softmax",
+        group_limited=sigmoid or n_group > 1,
+        n_group=n_group,
+        topk_group=f.opt_int(f"{arch}.expert_group_used_count") or n_group,
+        norm_topk_prob=bool(f.opt_bool(f"{arch}.expert_weights_norm")),
+    )
+    scaling = None
+    kind = f.opt_str(f"{arch}.rope.scaling.type")
+    if kind == "yarn":
+        # The converter writes 0.1 x mscale_all_dim; DeepSeek's mscale equals it.
+        log_mul = f.opt_pos_float(f"{arch}.rope.scaling.yarn_log_multiplier")
+        mscale = None if log_mul is None else log_mul / 0.1
+        scaling = RopeScaling(
+            "yarn",
+            f.pos_f32(f"{arch}.rope.scaling.factor"),
+            original_max_position_embeddings=f.pos_int(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+            mscale=mscale,
+            mscale_all_dim=mscale,
+        )
+    elif kind not in (None, "none"):
+        raise UnsupportedModel(f"{arch}: rope scaling {kind!r} is not supported", path=arch)
+    return {
+        "arch_fields": fields,
+        "head_dim": fields.qk_head_dim,
+        "num_kv_heads": heads,
+        "attention_scale": _softmax_scale(fields, scaling),
+        "rope_scaling": scaling,
+    }
+
+
+def deepseek_gguf_tensors(weights: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """Experts stacked one tensor a layer, ``[E, I, H]`` (or, kept in blocks, their
+    ``E I`` rows), become one matrix per expert: slices, never copies of the blocks. A
+    ``kv_b`` split as llama.cpp's absorbed attention wants it (``k_b`` per head transposed,
+    ``v_b``) becomes transformers' ``kv_b_proj`` again."""
+    f = _fields(config)
+    out: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for name, w in weights.items():
+        if not name.endswith(".stacked"):
+            out[name] = w
+            continue
+        prefix, _, kind = name.removesuffix(".stacked").rpartition(".")
+        if kind in ("k_b", "v_b"):
+            parts.setdefault(prefix, {})[kind] = w
+            continue
+        stacked = not isinstance(w, QuantTensor)  # [E, I, H]; blocks: [E I, H]
+        rows = w.shape[1] if stacked else w.shape[0] // f.num_experts
+        for e in range(f.num_experts):
+            piece = w[e] if stacked else _rows(w, e * rows, (e + 1) * rows)
+            out[f"{prefix}.{e}.{kind}.weight"] = piece
+    nh, latent = config.num_heads, f.kv_lora_rank
+    for prefix, pair in parts.items():
+        if set(pair) != {"k_b", "v_b"}:
+            raise CorruptWeights(f"{prefix}: a GGUF with k_b or v_b alone", path=prefix)
+        k_b = _dense(pair["k_b"]).reshape(nh, latent, f.qk_nope_head_dim)
+        v_b = _dense(pair["v_b"]).reshape(nh, f.v_head_dim, latent)
+        kv_b = torch.cat((k_b.transpose(1, 2), v_b), dim=1)
+        out[f"{prefix}.kv_b_proj.weight"] = kv_b.reshape(-1, latent).contiguous()
+    return out
+
+
+def _rows(w: QuantTensor, start: int, end: int) -> QuantTensor:
+    """Rows ``start:end`` of a block-format tensor: a view of the same bytes."""
+    return QuantTensor(w.qtype, (end - start, w.shape[1]), w.data[start:end], w.name)
+
+
+def _dense(w: Any) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantTensor) else w.float()
+
+
 def deepseek_unused_weight(config: ModelConfig, name: str) -> bool:
     """The multi-token-prediction layers DeepSeek-V3 checkpoints carry after the last layer
     (``num_nextn_predict_layers``): a speculative head this forward pass does not run."""
@@ -547,7 +679,7 @@ def deepseek_unused_weight(config: ModelConfig, name: str) -> bool:
 DEEPSEEK_V2 = Architecture(
     "deepseek_v2",
     ("deepseek_v2",),
-    None,  # llama.cpp's "deepseek2" files: not read yet
+    None,  # llama.cpp's "deepseek2" files are read as DEEPSEEK_V3's, whose fields cover V2
     "DeepseekV2ForCausalLM",
     DeepseekModel,
     deepseek_weights,
@@ -557,10 +689,13 @@ DEEPSEEK_V2 = Architecture(
 DEEPSEEK_V3 = Architecture(
     "deepseek_v3",
     ("deepseek_v3",),
-    None,
+    "deepseek2",  # llama.cpp's name for V2 and V3 alike: its metadata tells them apart
     "DeepseekV3ForCausalLM",
     DeepseekModel,
     deepseek_weights,
+    gguf_layer_names=_GGUF_LAYER_NAMES,
+    gguf_fields=deepseek_gguf_fields,
+    gguf_tensors=deepseek_gguf_tensors,
     hf_fields=deepseek_v3_hf_fields,
     export_hf=deepseek_export_hf,
     unused_weight=deepseek_unused_weight,

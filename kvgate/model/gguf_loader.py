@@ -82,10 +82,12 @@ def load_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
         name = _hf_name(arch, info.name, file)
         start, nbytes = extents[info.name]
         t: torch.Tensor | QuantTensor
-        if keep_quantized and info.qtype in NATIVE_QTYPES and len(info.dims) == 2:
-            rows = buf[start : start + nbytes].reshape(info.dims[1], -1)
-            t = QuantTensor(info.qtype, (info.dims[1], info.dims[0]), torch.from_numpy(rows),
-                            info.name)  # fmt: skip
+        if keep_quantized and info.qtype in NATIVE_QTYPES and len(info.dims) in (2, 3):
+            # A stack of matrices (experts) stays one tensor of all their rows: the
+            # architecture slices it (``Architecture.gguf_tensors``), still without a copy.
+            n = math.prod(info.dims[1:])
+            rows = buf[start : start + nbytes].reshape(n, -1)
+            t = QuantTensor(info.qtype, (n, info.dims[0]), torch.from_numpy(rows), info.name)
         else:
             t = _read_tensor(buf, start, nbytes, info, file)
         if arch.gguf_permutes_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -95,6 +97,7 @@ def load_gguf(path: str | os.PathLike[str], *, keep_quantized: bool = False) -> 
             assert isinstance(t, torch.Tensor)  # norms are 1-D: never kept in blocks
             t = t.float() - arch.norm_offset  # transformers undoes it the same way
         weights[name] = t
+    weights = arch.gguf_tensors(weights, config)
     check_weights(weights, config, file)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=file)
 
@@ -382,6 +385,12 @@ class _Fields:
             raise self._bad(key, "a non-negative integer")
         return value
 
+    def opt_bool(self, key: str) -> bool | None:
+        value = self.fields.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise self._bad(key, "a bool")
+        return value
+
     def pos_float(self, key: str, default: float | None = None) -> float:
         value = self.fields.get(key, default)
         if value is None:
@@ -419,9 +428,13 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
     hidden = f.pos_int(f"{arch}.embedding_length")
     heads = f.pos_int(f"{arch}.attention.head_count")
     kv_heads = f.pos_int(f"{arch}.attention.head_count_kv", heads)
+    num_layers = f.pos_int(f"{arch}.block_count")
+    # The architecture's own fields (Gemma 3's windows; DeepSeek's latent attention, whose
+    # rotary dims are a part of its heads).
+    extra = architecture.gguf_fields(f, arch, num_layers)
     head_dim = f.pos_int(f"{arch}.attention.key_length", hidden // heads)
     rope_dim = f.pos_int(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and "head_dim" not in extra:
         raise UnsupportedModel(
             f"{file}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) "
             "are not supported",
@@ -432,10 +445,7 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
     # The vocab size: stated, else the token list's length (check_weights compares it with the
     # embedding's rows).
     tokens = f.opt_list("tokenizer.ggml.tokens", str) or []
-    num_layers = f.pos_int(f"{arch}.block_count")
-    extra = architecture.gguf_fields(f, arch, num_layers)  # its own (Gemma 3's windows)
-    return make_config(
-        file,
+    fields_: dict[str, Any] = dict(
         architecture=architecture.name,
         vocab_size=f.pos_int(f"{arch}.vocab_size", len(tokens) or None),
         hidden_size=hidden,
@@ -448,11 +458,12 @@ def _config_from_fields(fields: dict[str, Any], tensors: set[str], file: str) ->
         rope_theta=_f32(f.pos_float(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=f.pos_int(f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
-        rope_scaling=_rope_scaling(f, arch),
+        rope_scaling=None if "rope_scaling" in extra else _rope_scaling(f, arch),
         bos_token_id=f.opt_int("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(f, architecture, tokens),
-        **extra,
     )
+    fields_.update(extra)  # the architecture's own readings win
+    return make_config(file, **fields_)
 
 
 def _eos_ids(f: _Fields, arch: Architecture, tokens: list[str]) -> tuple[int, ...]:

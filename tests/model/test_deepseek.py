@@ -264,3 +264,176 @@ def test_multi_token_prediction_layers_are_dropped_and_fp8_refused(
     config_file.write_text(json.dumps(raw))
     with pytest.raises(UnsupportedModel, match="quantized checkpoints \\(fp8\\)"):
         load_checkpoint(directory)
+
+
+def _write_deepseek_gguf(path: Path, model: Any, smollm2_gguf_path: Path, experts_q8: bool) -> None:
+    """The tiny checkpoint as llama.cpp's converter writes ``deepseek2``: one latent KV head,
+    the ``_mla`` head sizes, experts stacked in one tensor a layer, ``kv_b`` split into a
+    transposed ``k_b`` and ``v_b``; experts in Q8_0 blocks with ``experts_q8``."""
+    import numpy as np
+    from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from kvgate.model.gguf_loader import _map, _parse_header
+
+    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
+    c = model.config
+    writer = GGUFWriter(str(path), "deepseek2")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank is not None:
+        writer.add_q_lora_rank(c.q_lora_rank)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    writer.add_value_length(c.kv_lora_rank)
+    writer.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    writer.add_value_length_mla(c.v_head_dim)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_count(c.n_routed_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_shared_count(c.n_shared_experts)
+    writer.add_expert_weights_scale(c.routed_scaling_factor)
+    writer.add_expert_weights_norm(c.norm_topk_prob)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)  # V3
+    writer.add_expert_group_count(c.n_group)
+    writer.add_expert_group_used_count(c.topk_group)
+    writer.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    writer.add_rope_scaling_type(gguf_rope_type("yarn"))
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    }
+    nh = c.num_attention_heads
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", array)
+        elif ".mlp.experts." in name:
+            continue  # stacked below
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            if rest == "self_attn.kv_b_proj.weight":
+                kv_b = array.reshape(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+                k_b = kv_b[:, : c.qk_nope_head_dim].transpose(0, 2, 1).copy()
+                writer.add_tensor(f"blk.{layer}.attn_k_b.weight", k_b)
+                writer.add_tensor(
+                    f"blk.{layer}.attn_v_b.weight", kv_b[:, c.qk_nope_head_dim :].copy()
+                )
+                continue
+            writer.add_tensor(f"blk.{layer}.{names[rest]}", array)
+    for layer in range(c.first_k_dense_replace, c.num_hidden_layers):
+        mlp = model.model.layers[layer].mlp
+        stacks = {
+            "ffn_gate_exps": mlp.experts.gate_up_proj.detach()[:, : c.moe_intermediate_size],
+            "ffn_up_exps": mlp.experts.gate_up_proj.detach()[:, c.moe_intermediate_size :],
+            "ffn_down_exps": mlp.experts.down_proj.detach(),
+        }
+        for gguf_name, stack in stacks.items():
+            array = stack.float().contiguous().numpy()
+            if experts_q8:
+                q = quantize(array, GGMLQuantizationType.Q8_0)
+                writer.add_tensor(
+                    f"blk.{layer}.{gguf_name}.weight", q, raw_shape=q.shape,
+                    raw_dtype=GGMLQuantizationType.Q8_0,
+                )  # fmt: skip
+            else:
+                writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_rope_type(name: str) -> Any:
+    from gguf import RopeScalingType
+
+    return RopeScalingType(name)
+
+
+def test_a_llama_cpp_gguf_of_v3_matches_transformers(
+    tiny: dict[str, dict[str, Any]], tmp_path: Path, smollm2_gguf_path: Path
+) -> None:
+    """The same weights in llama.cpp's ``deepseek2`` layout, read back: the experts from
+    their stacks, ``kv_b`` from its halves, the routing and YaRN from the metadata."""
+    case = tiny["v3"]
+    path = tmp_path / "tiny-deepseek.gguf"
+    _write_deepseek_gguf(path, case["model"], smollm2_gguf_path, experts_q8=False)
+    ckpt = load_checkpoint(path)
+    state = case["model"].state_dict()
+    assert torch.equal(
+        ckpt.weights["model.layers.1.self_attn.kv_b_proj.weight"],
+        state["model.layers.1.self_attn.kv_b_proj.weight"],
+    )
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    assert llm.engine.model_config.architecture == "deepseek_v3"
+    assert _greedy(llm, case["prompts"]) == case["expected"]
+
+
+def test_a_gguf_keeps_its_experts_in_blocks_as_slices(
+    tiny: dict[str, dict[str, Any]], tmp_path: Path, smollm2_gguf_path: Path
+) -> None:
+    """Experts stored in Q8_0 blocks stay in them, one view of the stack's rows each."""
+    from kvgate.model.quant_tensor import QuantTensor
+
+    case = tiny["v3"]
+    path = tmp_path / "tiny-deepseek-q8.gguf"
+    _write_deepseek_gguf(path, case["model"], smollm2_gguf_path, experts_q8=True)
+    ckpt = load_checkpoint(path, keep_quantized=True)
+    first = ckpt.weights["model.layers.1.mlp.experts.0.gate_proj.weight"]
+    second = ckpt.weights["model.layers.1.mlp.experts.1.gate_proj.weight"]
+    assert isinstance(first, QuantTensor) and isinstance(second, QuantTensor)
+    assert first.shape == (32, 64) and second.shape == (32, 64)
+    assert second.data.data_ptr() == first.data.data_ptr() + 32 * first.row_bytes  # no copy
+    want = state_gate(case["model"], layer=1, expert=1)
+    torch.testing.assert_close(second.dequantize(), want, atol=0.02, rtol=0.02)
+    # Run on the block kernels (int8 activations) against the same blocks dequantized.
+    native = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", gguf_blocks="native")
+    if not native.engine.build_info["linear"].startswith("Q8_0"):
+        pytest.skip("no block kernels on this machine (no C compiler)")
+    plain = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", gguf_blocks="dequantize")
+    got, want_tokens = _greedy(native, case["prompts"]), _greedy(plain, case["prompts"])
+    assert sum(g[0] == w[0] for g, w in zip(got, want_tokens, strict=True)) >= 3
+
+
+def state_gate(model: Any, layer: int, expert: int) -> torch.Tensor:
+    experts = model.model.layers[layer].mlp.experts
+    inter = model.config.moe_intermediate_size
+    result: torch.Tensor = experts.gate_up_proj.detach()[expert, :inter].float()
+    return result
