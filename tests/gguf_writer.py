@@ -31,6 +31,18 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def add_smollm2_vocab(writer: Any, smollm2_gguf_path: Path) -> None:
+    """SmolLM2's vocabulary (the one the tiny HF directories carry), BOS 1 and EOS 2."""
+    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_gguf(
     path: Path,
     model: Any,
@@ -40,7 +52,6 @@ def write_gguf(
 ) -> None:
     from gguf import GGUFWriter
 
-    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
     c = model.config
     a = architecture(arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -54,13 +65,7 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_smollm2_vocab(writer, smollm2_gguf_path)
     if edit is not None:
         edit(writer)
     layer_names = _gguf_names(arch)

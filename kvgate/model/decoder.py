@@ -154,8 +154,13 @@ class DecoderModel(Generic[Layer]):
             for layer in self.layers
             for lin in self._layer_linears(layer)
         )
+        self._setup(kernels)
 
     # ------------------------------------------------------------------ what a subclass has
+    def _setup(self, kernels: CpuKernels | None) -> None:
+        """What its forward pass needs beyond the weights (RoPE tables, fused ops); called
+        last in ``__init__``, with the kernels it was given."""
+
     def _layer(self, weights: Mapping[str, Weight], i: int) -> Layer:
         raise NotImplementedError
 

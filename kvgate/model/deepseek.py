@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
 from kvgate.model.architectures import Architecture, GGUFMetadata
-from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.attention import AttentionMetadata
 from kvgate.model.config import ModelConfig, RopeScaling, yarn_mscale
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.decoder import DecoderModel, head_weights, per_layer
@@ -118,40 +118,21 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
         dim = f.kv_lora_rank + f.qk_rope_head_dim
         return tuple(KVSpec.latent(dim, f.kv_lora_rank) for _ in range(config.num_layers))
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: Mapping[str, Weight],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        attention: AttentionBackend,
-        source: str = "<weights>",
-        kernels: CpuKernels | None = None,
-        quantization: str | None = None,
-    ) -> None:
-        self.fields = _fields(config)
-        super().__init__(
-            config,
-            weights,
-            dtype=dtype,
-            device=device,
-            attention=attention,
-            source=source,
-            kernels=kernels,
-            quantization=quantization,
-        )
-        f = self.fields
+    @property
+    def fields(self) -> DeepseekFields:
+        return _fields(self.config)
+
+    def _setup(self, kernels: CpuKernels | None) -> None:
+        c, f = self.config, self.fields
         self.rope = RotaryEmbedding(
             f.qk_rope_head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
-            device,
+            c.max_position_embeddings,
+            c.rope_theta,
+            c.rope_scaling,
+            self.dtype,
+            self.device,
         )
 
-    # ------------------------------------------------------------------ weights
     def _layer(self, weights: Mapping[str, Weight], i: int) -> DeepseekLayer:
         c, f = self.config, self.fields
         p, h = f"model.layers.{i}.", (c.hidden_size,)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvgate.errors import CorruptWeights, UnsupportedModel
 from kvgate.model.architectures import Architecture, GGUFMetadata
-from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.attention import AttentionMetadata
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.decoder import (
@@ -51,31 +51,10 @@ class Gemma3Layer:
 
 
 class Gemma3Model(DecoderModel[Gemma3Layer]):
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: Mapping[str, Weight],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        attention: AttentionBackend,
-        source: str = "<weights>",
-        kernels: CpuKernels | None = None,
-        quantization: str | None = None,
-    ) -> None:
+    def _setup(self, kernels: CpuKernels | None) -> None:
         """The fused element-wise kernels and the native decode layers are Llama's (SiLU,
         norms scaling in the model dtype): Gemma 3 runs its element-wise ops in PyTorch."""
-        super().__init__(
-            config,
-            weights,
-            dtype=dtype,
-            device=device,
-            attention=attention,
-            source=source,
-            kernels=kernels,
-            quantization=quantization,
-        )
-        c = config
+        c, dtype, device = self.config, self.dtype, self.device
         self.rope = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
         )

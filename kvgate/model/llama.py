@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.model.architectures import Architecture
-from kvgate.model.attention import AttentionBackend, AttentionMetadata
+from kvgate.model.attention import AttentionMetadata
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels, KernelLibrary
 from kvgate.model.decoder import (
@@ -49,31 +49,15 @@ class LayerWeights:
 class LlamaModel(DecoderModel[LayerWeights]):
     ops: LayerOps
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: Mapping[str, Weight],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        attention: AttentionBackend,
-        source: str = "<weights>",
-        kernels: CpuKernels | None = None,
-        quantization: str | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            weights,
-            dtype=dtype,
-            device=device,
-            attention=attention,
-            source=source,
-            kernels=kernels,
-            quantization=quantization,
-        )
-        c = config
+    def _setup(self, kernels: CpuKernels | None) -> None:
+        c = self.config
         self.rope = RotaryEmbedding(
-            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device
+            c.head_dim,
+            c.max_position_embeddings,
+            c.rope_theta,
+            c.rope_scaling,
+            self.dtype,
+            self.device,
         )
         self.ops = self._layer_ops(kernels.elementwise if kernels else None)
         self.native_decode = self._native_decode(kernels.level) if kernels else None

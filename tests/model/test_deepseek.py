@@ -21,6 +21,7 @@ from kvgate.model.checkpoint import load_checkpoint
 from kvgate.model.deepseek import DeepseekFields, DeepseekModel
 from kvgate.model.kv_spec import KVSpec
 from kvgate.tokenizer import Tokenizer
+from tests.gguf_writer import add_smollm2_vocab
 from tests.hf_reference import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -274,9 +275,6 @@ def _write_deepseek_gguf(path: Path, model: Any, smollm2_gguf_path: Path, expert
     from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    from kvgate.model.gguf_loader import _map, _parse_header
-
-    fields, _, _ = _parse_header(_map(str(smollm2_gguf_path)), str(smollm2_gguf_path))
     c = model.config
     writer = GGUFWriter(str(path), "deepseek2")
     writer.add_block_count(c.num_hidden_layers)
@@ -310,13 +308,7 @@ def _write_deepseek_gguf(path: Path, model: Any, smollm2_gguf_path: Path, expert
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_smollm2_vocab(writer, smollm2_gguf_path)
     names = {
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
