@@ -588,8 +588,8 @@ def test_nan_weight_is_corrupt(tiny_copy: Path) -> None:
 
 
 def test_unsupported_rope_type(tiny_copy: Path) -> None:
-    _edit_config(tiny_copy, rope_parameters={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedModel, match=r"config\.json.*'yarn'"):
+    _edit_config(tiny_copy, rope_parameters={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(UnsupportedModel, match=r"config\.json.*'longrope'"):
         load_checkpoint(tiny_copy)
 
 
