@@ -64,6 +64,8 @@ class DeepseekFields:
     moe_intermediate_size: int
     routed_scaling_factor: float
     #: "softmax" (V2: greedy or group-limited greedy) or "sigmoid" (V3: with a choice bias).
+    #: V2 also rotates in float32 whatever the model dtype (transformers' complex RoPE);
+    #: V3 in the model dtype.
     scoring: str
     group_limited: bool
     n_group: int
@@ -129,9 +131,13 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
             c.max_position_embeddings,
             c.rope_theta,
             c.rope_scaling,
-            self.dtype,
+            torch.float32 if self._rotates_in_float32 else self.dtype,
             self.device,
         )
+
+    @property
+    def _rotates_in_float32(self) -> bool:
+        return self.fields.scoring == "softmax"  # V2 (see ``DeepseekFields.scoring``)
 
     def _layer(self, weights: Mapping[str, Weight], i: int) -> DeepseekLayer:
         c, f = self.config, self.fields
@@ -262,6 +268,8 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
         the same order, so their products are those of the pairs."""
         if self.fields.rope_interleave:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        if self._rotates_in_float32:
+            return apply_rotary(x.float(), cos, sin).to(x.dtype)
         return apply_rotary(x, cos, sin)
 
     def _attend(
@@ -624,6 +632,11 @@ def deepseek_gguf_tensors(weights: dict[str, Any], config: ModelConfig) -> dict[
             parts.setdefault(prefix, {})[kind] = w
             continue
         stacked = not isinstance(w, QuantTensor)  # [E, I, H]; blocks: [E I, H]
+        if (w.shape[0] != f.num_experts) if stacked else (w.shape[0] % f.num_experts):
+            raise CorruptWeights(
+                f"{name}: a stack of shape {list(w.shape)} for {f.num_experts} experts",
+                path=name,
+            )
         rows = w.shape[1] if stacked else w.shape[0] // f.num_experts
         for e in range(f.num_experts):
             piece = w[e] if stacked else _rows(w, e * rows, (e + 1) * rows)

@@ -189,8 +189,9 @@ def test_routing_matters(tiny: dict[str, dict[str, Any]]) -> None:
     assert got != case["expected"]
 
 
-def test_bfloat16_agrees(tiny: dict[str, dict[str, Any]]) -> None:
-    case = tiny["v3"]
+@pytest.mark.parametrize("variant", ["v3", "v2"])
+def test_bfloat16_agrees(variant: str, tiny: dict[str, dict[str, Any]]) -> None:
+    case = tiny[variant]
     llm = LLM(str(case["dir"]), dtype="bfloat16", kv_cache_memory="64MiB")
     assert isinstance(llm.engine.model, DeepseekModel)
     got = _greedy(llm, case["prompts"])
