@@ -137,7 +137,7 @@ class EngineReplica:
         return merge({name: pair[0 if full else 1] for name, pair in texts.items()})
 
     def _texts(self) -> tuple[str, str]:
-        from kvgate.server.app import Aggregates
+        from kvgate.server.probes import Aggregates
 
         registry = self.state.registry
         return (

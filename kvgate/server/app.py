@@ -15,16 +15,13 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from kvgate.engine.front import EngineView
@@ -32,9 +29,9 @@ from kvgate.engine.lineage import model_version
 from kvgate.engine.policy import TenantFairPolicy, TenantShare
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import StatsListener
-from kvgate.errors import InvalidConfig, InvalidRequest, KVGateError
+from kvgate.errors import InvalidConfig, KVGateError
 from kvgate.governance.admission import RateBuckets
-from kvgate.governance.tenants import DEFAULT_TENANT, TenantsConfig, parse_key
+from kvgate.governance.tenants import TenantsConfig, parse_key
 from kvgate.governance.usage import UsageLedger
 from kvgate.governance.usage import default_path as usage_default_path
 from kvgate.retrieval.extra import missing_modules, unavailable
@@ -42,14 +39,12 @@ from kvgate.retrieval.retrieval import E5Embedder
 from kvgate.retrieval.service import DocsService, StorageLimits
 from kvgate.retrieval.store import DocStore
 from kvgate.retrieval.store import default_dir as docs_default_dir
-from kvgate.server.access_log import AccessLogMiddleware, access_record
+from kvgate.server.access_log import AccessLogMiddleware
 from kvgate.server.admin import install_admin_routes
 from kvgate.server.auth import load_api_keys_file
-from kvgate.server.chat import create_chat_completion
-from kvgate.server.completions import create_completion
 from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
-from kvgate.server.door import Door, off_loop
+from kvgate.server.door import Door
 from kvgate.server.drain import Drain, DrainMiddleware
 from kvgate.server.errors import install_error_handlers
 from kvgate.server.files import install_file_routes
@@ -57,16 +52,10 @@ from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
 from kvgate.server.models import EngineLoader, ModelSlot, ServedModels
-from kvgate.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from kvgate.server.openai_routes import install_openai_routes
+from kvgate.server.probes import install_probe_routes
 from kvgate.server.responses import install_response_routes
-from kvgate.server.routing import Route
 from kvgate.server.serving import ServingContext
-from kvgate.server.streaming import ClientDisconnected
 from kvgate.server.tracing import NoTracing, Tracing
 from kvgate.server.vector_stores import install_vector_store_routes
 
@@ -129,6 +118,13 @@ def _load(
     )
     inner = engine.engine
     version = model_version(slot.name, str(inner.source), inner.model_config, inner.config)
+    # Everything alive now (modules, model, tokenizer) lives as long as the server: keep it
+    # out of the garbage collector. A full collection walks every tracked object and holds
+    # the GIL throughout: over this heap it stopped the event loop and the engine for
+    # ~120 ms at a time under load, a quiet tenant's whole time to first token. Before the
+    # model serves (``slot.serving`` makes it ready), so no request meets the collection.
+    gc.collect()
+    gc.freeze()
     slot.serving = ServingContext(
         engine, slot.name, state.governance, door, state.usage, state.tracing, version
     )
@@ -165,27 +161,8 @@ def _load_all(
                 if on_load_error is not None:
                     on_load_error(exc)
                 return
-            # Everything alive now (modules, model, tokenizer) lives as long as the server:
-            # keep it out of the garbage collector. A full collection walks every tracked
-            # object and holds the GIL throughout: over this heap it stopped the event loop
-            # and the engine for ~120 ms at a time under load, a quiet tenant's whole time
-            # to first token. Before the model serves, so no request meets the collection.
-            gc.collect()
-            gc.freeze()
     finally:
         state.ready.set()
-
-
-class Aggregates:
-    """A registry's metric families without the per-tenant ones (``kvgate:tenant_*``)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.registry.collect():
-            if not family.name.startswith("kvgate:tenant_"):
-                yield family
 
 
 def _warn_unknown_models(tenants: TenantsConfig, served: Sequence[str]) -> None:
@@ -357,115 +334,6 @@ def build_app(
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(AccessLogMiddleware)
 
-    @app.get("/health")
-    def health() -> Response:
-        if state.drain.draining.is_set():
-            body = {"status": "draining", "in_flight": state.drain.active}
-            return JSONResponse(body, status_code=503)
-        statuses = {slot.name: slot.status for slot in models}
-        per_model = {"models": statuses} if len(statuses) > 1 else {}
-        if models.all_ready:
-            # Steps recovered from inside an engine, and engine processes started again.
-            restarts = sum(snap.recoveries for snap in state.snapshots().values()) + sum(
-                slot.serving.engine.num_restarts for slot in models if slot.serving is not None
-            )
-            return JSONResponse({"status": "ok", "engine_restarts": restarts, **per_model})
-        loading = all(s in ("ready", "loading") for s in statuses.values())
-        restarting = all(s in ("ready", "restarting") for s in statuses.values())
-        status = "loading" if loading else "restarting" if restarting else "unhealthy"
-        return JSONResponse({"status": status, **per_model}, status_code=503)
-
-    @app.get("/health/live")
-    def live() -> Response:
-        """Liveness: the process serves, and no engine is past recovering (loading and
-        draining are alive: only readiness, ``/health``, says 503 for those)."""
-        alive = ("ready", "loading", "restarting")
-        dead = [slot.name for slot in models if slot.status not in alive]
-        if dead:
-            return JSONResponse({"status": "dead", "models": dead}, status_code=503)
-        return JSONResponse({"status": "alive"})
-
-    @app.get("/metrics")
-    def metrics(request: Request) -> Response:
-        # Per-tenant series name the tenants and what they do: only for a metrics or admin
-        # key (or an open server); anyone else gets the aggregates.
-        if state.governance.tenants.may_observe(request.headers.get("authorization")):
-            return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(Aggregates(state.registry)), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    def list_models(route: Route) -> dict[str, Any]:
-        """The models the caller may use that are ready to serve; while none of them is,
-        the 503 that says why (loading, or failed)."""
-        allowed = models.allowed(state.governance.spec(route.tenant))
-        ready = [slot.serving for slot in allowed if slot.status == "ready"]
-        if not ready and allowed:
-            allowed[0].check()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ctx.served_model_name,
-                    "object": "model",
-                    "created": ctx.version.created if ctx.version is not None else 0,
-                    "owned_by": "kvgate",
-                    "max_model_len": ctx.max_model_len,
-                    "version": ctx.model_version,
-                    "source": ctx.version.source if ctx.version is not None else None,
-                    "weights_sha256": (
-                        ctx.version.weights_sha256 if ctx.version is not None else None
-                    ),
-                }
-                for ctx in ready
-                if ctx is not None
-            ],
-        }
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request, route: Route) -> Any:
-        ctx = route(body.model)
-        try:
-            return await create_chat_completion(ctx, body, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request, route: Route) -> Any:
-        ctx = route(body.model)
-        try:
-            return await create_completion(ctx, body, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request, route: Route) -> dict[str, Any]:
-        ctx = route(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
-        tenant = access_record(request).tenant or DEFAULT_TENANT
-        ctx.door.counted(tenant, ctx.door.check_sizes, body, None)
-        tok = ctx.tokenizer
-        if body.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            for m in messages:
-                m.setdefault("content", "")
-            add_generation_prompt = body.add_generation_prompt is not False
-            ids = await off_loop(tok.encode_chat, messages, add_generation_prompt)
-        else:
-            assert body.prompt is not None
-            add_special = body.add_special_tokens is not False
-            ids = await off_loop(tok.encode, body.prompt, add_special)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
-
-    @app.post("/detokenize")
-    def detokenize(body: DetokenizeRequest, route: Route) -> dict[str, Any]:
-        ctx = route(body.model)
-        vocab = ctx.engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if t >= vocab]
-        if bad:
-            raise InvalidRequest(
-                f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens"
-            )
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
-
+    install_probe_routes(app)
+    install_openai_routes(app)
     return app

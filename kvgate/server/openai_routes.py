@@ -1,0 +1,107 @@
+"""The OpenAI-compatible model routes: ``/v1/models``, ``/v1/chat/completions``,
+``/v1/completions``, and vLLM's ``/tokenize`` and ``/detokenize``. The work is in
+``chat.py`` and ``completions.py``; here each request finds its model (``Route``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvgate.errors import InvalidRequest
+from kvgate.governance.tenants import DEFAULT_TENANT
+from kvgate.server.access_log import access_record
+from kvgate.server.chat import create_chat_completion
+from kvgate.server.completions import create_completion
+from kvgate.server.door import off_loop
+from kvgate.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvgate.server.routing import Route
+from kvgate.server.streaming import ClientDisconnected
+
+if TYPE_CHECKING:
+    from kvgate.server.app import ServerState
+
+
+def install_openai_routes(app: FastAPI) -> None:
+    @app.get("/v1/models")
+    def list_models(request: Request, route: Route) -> dict[str, Any]:
+        """The models the caller may use that are ready to serve; while none of them is,
+        the 503 that says why (loading, or failed)."""
+        state: ServerState = request.app.state.kvgate
+        models = state.models
+        allowed = models.allowed(state.governance.spec(route.tenant))
+        ready = [slot.serving for slot in allowed if slot.status == "ready"]
+        if not ready and allowed:
+            allowed[0].check()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.served_model_name,
+                    "object": "model",
+                    "created": ctx.version.created if ctx.version is not None else 0,
+                    "owned_by": "kvgate",
+                    "max_model_len": ctx.max_model_len,
+                    "version": ctx.model_version,
+                    "source": ctx.version.source if ctx.version is not None else None,
+                    "weights_sha256": (
+                        ctx.version.weights_sha256 if ctx.version is not None else None
+                    ),
+                }
+                for ctx in ready
+                if ctx is not None
+            ],
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request, route: Route) -> Any:
+        ctx = route(body.model)
+        try:
+            return await create_chat_completion(ctx, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request, route: Route) -> Any:
+        ctx = route(body.model)
+        try:
+            return await create_completion(ctx, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request, route: Route) -> dict[str, Any]:
+        ctx = route(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
+        tenant = access_record(request).tenant or DEFAULT_TENANT
+        ctx.door.counted(tenant, ctx.door.check_sizes, body, None)
+        tok = ctx.tokenizer
+        if body.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            for m in messages:
+                m.setdefault("content", "")
+            add_generation_prompt = body.add_generation_prompt is not False
+            ids = await off_loop(tok.encode_chat, messages, add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            add_special = body.add_special_tokens is not False
+            ids = await off_loop(tok.encode, body.prompt, add_special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    def detokenize(body: DetokenizeRequest, route: Route) -> dict[str, Any]:
+        ctx = route(body.model)
+        vocab = ctx.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens"
+            )
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
