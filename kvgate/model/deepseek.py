@@ -341,20 +341,30 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
         return index, weights * f.routed_scaling_factor
 
     def _moe(self, e: Experts, h: torch.Tensor, roles: RowRoles | None) -> torch.Tensor:
-        """The routed experts, grouped by expert across the batch, then the shared ones.
+        """The routed experts, then the shared ones."""
+        out = self._routed(e, h)
+        if e.shared is not None:
+            out = out + self._gated(e.shared, h, roles)
+        return out
+
+    def _routed(self, e: Experts, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts, grouped by expert across the batch.
 
         The step's (token, expert) pairs are sorted by expert once: each expert then reads
         one contiguous slice of the gathered rows and writes one slice of the outputs. Per
         expert that is its two matmuls and the activation, nothing else: with 16 sequences
         nearly every expert has a token or two, and per-expert gathers and adds cost more
-        than its matmuls (bench/moe.py). Each token's k outputs are then added in ascending
-        expert order from zero, the order transformers adds them in, so fp32 sums are
-        bit-identical."""
+        than its matmuls (bench/moe.py). Within an expert the rows come in transformers'
+        eager order (by place among the token's k, then by token): a matmul's rows need not
+        come out alike at other positions in it (they do not on AVX2). Each token's k
+        outputs are then added in ascending expert order from zero, the order transformers
+        adds them in, so fp32 sums are bit-identical."""
         index, weights = self._route(e, h)  # [T, k] each
         t, k = index.shape
-        experts = index.flatten()
+        experts = index.t().flatten()  # place-major: pair p is token p % T, place p // T
         order = torch.argsort(experts, stable=True)
-        tokens = order // k  # the token of each pair, in expert order
+        tokens, places = order % t, order // t
+        order = tokens * k + places  # each pair's position in token-major [T, k]
         counts = torch.bincount(experts, minlength=len(e.experts)).tolist()
         x = h.index_select(0, tokens)  # [T k, H]
         y = torch.empty_like(x)
@@ -369,8 +379,6 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
         out = torch.zeros_like(h)
         for place in torch.argsort(index, dim=1).unbind(1):  # each token's experts, ascending
             out = out + pairs[rows, place]
-        if e.shared is not None:
-            out = out + self._gated(e.shared, h, roles)
         return out
 
 

@@ -221,10 +221,12 @@ def test_what_it_cannot_run_is_refused_naming_it(
 def test_grouped_experts_equal_transformers_bit_for_bit(
     variant: str, tiny: dict[str, dict[str, Any]]
 ) -> None:
-    """One MoE layer on 200 rows: the experts run grouped (one slice each) and each row's
-    experts are summed in the order of transformers' eager loop (ascending expert, from
-    zero), so fp32 outputs are identical to it. (Its default ``grouped_mm`` sums in another
-    order: the greedy tests above hold against that one.)"""
+    """One MoE layer on 200 rows: the routed experts run grouped (one slice each, rows in
+    the eager loop's order within it) and each row's experts are summed in the order of
+    transformers' eager loop (ascending expert, from zero), so fp32 outputs are identical
+    to it. (Its default ``grouped_mm`` sums in another order: the greedy tests above hold
+    against that one.) The shared expert's gate and up run as one matmul here, two there:
+    the whole layer agrees to rounding."""
     case = tiny[variant]
     llm = LLM(str(case["dir"]), dtype="float32", kv_cache_memory="16MiB")
     model = llm.engine.model
@@ -235,13 +237,18 @@ def test_grouped_experts_equal_transformers_bit_for_bit(
     reference = case["model"]
     default = reference.config._experts_implementation
     reference.set_experts_implementation("eager")
+    mlp = reference.model.layers[1].mlp
     try:
         with torch.no_grad():
-            want = reference.model.layers[1].mlp(h.unsqueeze(0)).squeeze(0)
-            got = model._moe(layer.moe, h, None)
+            _, weights, index = mlp.gate(h)
+            want = mlp.experts(h, index, weights)
+            got = model._routed(layer.moe, h)
+            want_layer = mlp(h.unsqueeze(0)).squeeze(0)
+            got_layer = model._moe(layer.moe, h, None)
     finally:
         reference.set_experts_implementation(default)
     assert torch.equal(got, want)
+    torch.testing.assert_close(got_layer, want_layer, rtol=1e-5, atol=1e-5)
 
 
 def test_multi_token_prediction_layers_are_dropped_and_fp8_refused(
