@@ -128,12 +128,13 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes[: (request.num_tokens - 1) // bs]
         groups = self.layout.groups
-        num = len(hashes)
+        unit = self.layout.reuse_span  # a hit is whole blocks of every group
+        num = len(hashes) - len(hashes) % unit
         for g, group in enumerate(groups):
             if group.window is None:
-                for i in range(num):
-                    if self.pool.lookup(self._key(hashes[i], g)) is None:
-                        num = i
+                for i in range(num // group.span):
+                    if self.pool.lookup(self._group_key(hashes, g, i)) is None:
+                        num = i * group.span - (i * group.span) % unit
                         break
         # Sliding groups: the longest prefix whose last window is cached in each.
         while num > 0 and not all(
@@ -141,20 +142,33 @@ class KVCacheManager:
             for g, group in enumerate(groups)
             if group.window is not None
         ):
-            num -= 1
-        if num == 0:
+            num -= unit
+        if num <= 0:
             return [], 0
         hit: list[list[KVBlock | None]] = []
         for g, group in enumerate(groups):
-            first = group.first_needed_block(num * bs, bs)
+            gbs = bs * group.span
+            first = group.first_needed_block(num * bs, gbs)
             table: list[KVBlock | None] = [None] * first
-            table += [self.pool.lookup(self._key(hashes[i], g)) for i in range(first, num)]
+            table += [
+                self.pool.lookup(self._group_key(hashes, g, i))
+                for i in range(first, num // group.span)
+            ]
             hit.append(table)
         return hit, num * bs
 
+    def _group_key(self, hashes: Sequence[BlockHash], g: int, i: int) -> BlockHash:
+        """Block ``i`` of group ``g``: keyed by the hash of its last base block (which covers
+        every token before it)."""
+        return self._key(hashes[(i + 1) * self.layout.groups[g].span - 1], g)
+
     def _window_cached(self, hashes: Sequence[BlockHash], g: int, group: KVGroup, num: int) -> bool:
-        first = group.first_needed_block(num * self.block_size, self.block_size)
-        return all(self.pool.lookup(self._key(hashes[i], g)) is not None for i in range(first, num))
+        gbs = self.block_size * group.span
+        first = group.first_needed_block(num * self.block_size, gbs)
+        return all(
+            self.pool.lookup(self._group_key(hashes, g, i)) is not None
+            for i in range(first, num // group.span)
+        )
 
     def record_prefix_lookup(self, tenant: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not every retry while it waits for blocks)."""
@@ -167,10 +181,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------ metrics
     def fragmentation(self, requests: Iterable[Request]) -> float:
         """Reserved but unfilled KV slots over reserved slots, over ``requests`` (running)."""
-        bs = self.block_size
         reserved = filled = 0
         for r in requests:
-            for table in self.req_blocks.get(r.request_id, ()):
+            tables = self.req_blocks.get(r.request_id, ())
+            for group, table in zip(self.layout.groups, tables, strict=False):
+                bs = self.block_size * group.span
                 dropped = next((i for i, b in enumerate(table) if b is not None), len(table))
                 held = (len(table) - dropped) * bs
                 reserved += held
@@ -181,19 +196,30 @@ class KVCacheManager:
         """Token slots in blocks held by requests (for fragmentation metrics)."""
         return sum(self.num_held(rid) for rid in self.req_blocks) * self.block_size
 
+    def held_bytes_per_token(self, requests: Iterable[Request], block_bytes: int) -> float:
+        """KV bytes the blocks of ``requests`` hold, per token of their computed context:
+        what a token really costs (with windows and compressed entries, less than a
+        block's bytes over its tokens). 0 without computed tokens."""
+        blocks = tokens = 0
+        for r in requests:
+            blocks += self.num_held(r.request_id)
+            tokens += r.num_computed_tokens
+        return blocks * block_bytes / tokens if tokens else 0.0
+
     # ------------------------------------------------------------------ allocation
     def _plan(
         self, request: Request, num_new_tokens: int, hit: PrefixHit
     ) -> tuple[int, list[tuple[int, int]]]:
         """(tokens computed once the hits count, per group (entries to skip, blocks to add))."""
-        bs = self.block_size
         tables = self.req_blocks.get(request.request_id)
-        hit_blocks = len(hit[0]) if hit else 0
-        num_computed = request.num_computed_tokens + hit_blocks * bs
-        end = cdiv(num_computed + num_new_tokens, bs)
+        groups = self.layout.groups
+        hit_tokens = len(hit[0]) * self.block_size * groups[0].span if hit else 0
+        num_computed = request.num_computed_tokens + hit_tokens
         plan = []
-        for g, group in enumerate(self.layout.groups):
-            have = (len(tables[g]) if tables else 0) + hit_blocks
+        for g, group in enumerate(groups):
+            bs = self.block_size * group.span
+            end = cdiv(num_computed + num_new_tokens, bs)
+            have = (len(tables[g]) if tables else 0) + (len(hit[g]) if hit else 0)
             start = max(have, group.first_needed_block(num_computed, bs))
             plan.append((start - have, max(end - start, 0)))
         return num_computed, plan
@@ -264,13 +290,14 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         rid = request.request_id
-        num_full = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
+        known = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
         for g, table in enumerate(self.req_blocks[rid]):
+            num_full = known // self.layout.groups[g].span
             start = self._num_cached[rid][g]
             for i in range(start, min(num_full, len(table))):
                 block = table[i]
                 if block is not None:
-                    self.pool.cache(block, self._key(request.block_hashes[i], g))
+                    self.pool.cache(block, self._group_key(request.block_hashes, g, i))
             self._num_cached[rid][g] = max(start, min(num_full, len(table)))
 
     def trim(self, request: Request) -> int:
@@ -281,9 +308,9 @@ class KVCacheManager:
         tables = self.req_blocks.get(rid)
         if tables is None:
             return 0
-        keep = cdiv(request.num_tokens, self.block_size)
         tail: list[KVBlock] = []
         for g, table in enumerate(tables):
+            keep = cdiv(request.num_tokens, self.block_size * self.layout.groups[g].span)
             if len(table) > keep:
                 tail += [b for b in reversed(table[keep:]) if b is not None]
                 del table[keep:]
@@ -303,7 +330,8 @@ class KVCacheManager:
         for g, group in enumerate(self.layout.groups):
             if group.window is None:
                 continue
-            first = group.first_needed_block(request.num_computed_tokens, self.block_size)
+            bs = self.block_size * group.span
+            first = group.first_needed_block(request.num_computed_tokens, bs)
             table = tables[g]
             for i in range(self._num_dropped[rid][g], min(first, len(table))):
                 block = table[i]
@@ -345,7 +373,6 @@ class KVCacheManager:
     def check_windows(self, requests: Iterable[Request]) -> None:
         """Raise AssertionError if a block some layer's window still reads was given back, or
         a global group lost one (used by tests)."""
-        bs = self.block_size
         for r in requests:
             tables = self.req_blocks.get(r.request_id)
             if tables is None:
@@ -353,6 +380,7 @@ class KVCacheManager:
             held = sum(1 for t in tables for b in t if b is not None)
             assert self._num_held.get(r.request_id, 0) == held, (r.request_id, held)
             for group, table in zip(self.layout.groups, tables, strict=True):
+                bs = self.block_size * group.span
                 first = group.first_needed_block(r.num_computed_tokens, bs)
                 computed = min(cdiv(r.num_computed_tokens, bs), len(table))
                 for i in range(first, computed):

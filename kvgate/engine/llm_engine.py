@@ -169,7 +169,8 @@ class LLMEngine:
         #: global and sliding-window groups.
         kv_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_layout = KVLayout.for_specs(
-            [spec.with_dtype(kv_dtype) for spec in cls.kv_specs(checkpoint.config)]
+            [spec.with_dtype(kv_dtype) for spec in cls.kv_specs(checkpoint.config)],
+            config.block_size,
         )
         assert self.kv_layout.spec is not None
         #: The attention backend the registry chose for the KV spec (``attention_backends``).
@@ -181,6 +182,7 @@ class LLMEngine:
                 scale=checkpoint.config.attention_scale,
                 decode_kernel=kernels.attention,
                 upcast=upcast_attention(self.dtype, self.device),
+                layout=self.kv_layout,
             ),
         )
         self.model = cls(
@@ -212,12 +214,16 @@ class LLMEngine:
             self.kv_pool.num_tokens,
             self.kv_pool.bytes / 2**30,
         )
+        num_blocks, attention = self.kv_pool.num_blocks, self.model.attention
         kv_caches = allocate_kv_caches(
             self.kv_layout,
             self.model_config.num_layers,
-            (
-                self.model.attention.kv_cache_shape(self.kv_pool.num_blocks, config.block_size),
-                self.model.attention.v_cache_shape(self.kv_pool.num_blocks, config.block_size),
+            # Compressed layers' pages are views of one pool the layout sizes.
+            ((num_blocks, config.block_size), ())
+            if self.kv_layout.specs
+            else (
+                attention.kv_cache_shape(num_blocks, config.block_size),
+                attention.v_cache_shape(num_blocks, config.block_size),
             ),
             self.model.attention.kv_dtype,
             self.device,

@@ -26,6 +26,7 @@ from kvgate.engine.sampler import Sampler, SamplingState
 from kvgate.engine.step_handle import RunnerStep
 from kvgate.engine.verify import Drafted, DraftVerifier
 from kvgate.model.attention import AttentionMetadata
+from kvgate.model.compressed_kv import compressed_views
 from kvgate.model.kv_layout import KVGroup, KVLayout
 from kvgate.model.protocol import Model
 from kvgate.model.row_roles import RowRoles
@@ -45,8 +46,15 @@ def allocate_kv_caches(
 ) -> KVCaches:
     """One (K, V) pair per layer, of the attention backend's cache ``shapes`` (K's, V's: an
     empty V where the spec keeps none): a pair per slot of the layout, shared by the layers
-    of every group in that slot (a block belongs to one group at a time)."""
+    of every group in that slot (a block belongs to one group at a time). Compressed layers
+    (``layout.specs``): views of one pool per layer (``compressed_kv.compressed_views``), of
+    as many blocks as K's shape has."""
     k_shape, v_shape = shapes
+    if layout.specs:
+        item = torch.empty((), dtype=dtype).element_size()
+        block_size = k_shape[1]
+        pool = _zeros((k_shape[0], layout.block_bytes(block_size) // item), dtype, device)
+        return compressed_views(layout, pool, block_size)
     slots = [
         (_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
         for _ in range(layout.slots)

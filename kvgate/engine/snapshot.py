@@ -63,6 +63,9 @@ class EngineSnapshot:
     #: across every layer, as the model's KV specs lay it out (``kv_spec.py``).
     kv_capacity_tokens: int = 0
     kv_bytes_per_token: int = 0
+    #: KV bytes the running requests' blocks hold per token of their context: what a token
+    #: really costs with sliding windows and compressed entries (0: nothing running).
+    kv_held_bytes_per_token: float = 0.0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled for the front end when the engine runs in a process of its own: the
@@ -128,6 +131,9 @@ class EngineSnapshot:
             build_info=MappingProxyType(dict(getattr(engine, "build_info", {}))),
             kv_capacity_tokens=engine.kv_pool.num_tokens,
             kv_bytes_per_token=engine.kv_pool.bytes // max(engine.kv_pool.num_tokens, 1),
+            kv_held_bytes_per_token=kv.held_bytes_per_token(
+                sched.running, engine.kv_pool.bytes // max(pool.num_blocks, 1)
+            ),
         )
 
 

@@ -1,7 +1,7 @@
 """The architectures kvgate runs: what an architecture record holds, and the registry of
 them. Each record lives in its model module with the forward pass that runs it (``llama.py``:
 Llama, Mistral, SmolLM, Qwen2, Qwen3; ``gemma3.py``: Gemma 3; ``deepseek.py``: DeepSeek-V2
-and V3), and says there what its
+and V3; ``deepseek_v4.py``: DeepSeek-V4), and says there what its
 checkpoints call it (HF ``model_type``, GGUF ``general.architecture``), the config fields of its
 own (``hf_fields``, ``gguf_fields``, ``export_hf``), every weight it reads under HF names
 (``weights``), with the GGUF spellings that differ, and its model class.
@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 
 #: The model modules that declare architectures (each an ``ARCHITECTURES`` tuple), imported
 #: when the registry is first read.
-_MODULES = ("kvgate.model.llama", "kvgate.model.gemma3", "kvgate.model.deepseek")
+_MODULES = (
+    "kvgate.model.llama",
+    "kvgate.model.gemma3",
+    "kvgate.model.deepseek",
+    "kvgate.model.deepseek_v4",
+)
 
 
 class GGUFMetadata(Protocol):
@@ -57,6 +62,10 @@ def _as_is(_: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
 
 def _never(*_: Any) -> bool:
     return False
+
+
+def _same_name(name: str) -> str:
+    return name
 
 
 def _as_loaded(weights: dict[str, Any], _: ModelConfig) -> dict[str, Any]:
@@ -102,6 +111,9 @@ class Architecture:
     #: weights ``weights`` lists, where llama.cpp stores them otherwise (DeepSeek's experts
     #: stacked in one tensor a layer, its ``kv_b`` split in two).
     gguf_tensors: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] = _as_loaded
+    #: The name ``weights`` lists for a tensor of a Hugging Face directory, where checkpoints
+    #: spell them otherwise (DeepSeek-V4's own names, with or without ``model.``).
+    hf_name: Callable[[str], str] = _same_name
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         return self.weight_shapes(self, config)

@@ -16,6 +16,8 @@ import torch
 
 from kvgate.errors import UnsupportedModel
 from kvgate.model.attention import AttentionBackend, TorchAttention
+from kvgate.model.compressed_kv import CompressedKV
+from kvgate.model.kv_layout import KVLayout
 from kvgate.model.kv_spec import KVSpec
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ class BackendOptions:
     decode_kernel: PagedDecodeKernel | None = None
     #: bf16 attention matmuls in float32 (``precision.upcast_attention``).
     upcast: bool = False
+    #: The pool's layout (the compressed backend addresses its groups' blocks).
+    layout: KVLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -127,3 +131,20 @@ def _latent_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
 
 
 register(BackendEntry("torch-latent", _latent_supports, _latent_build))
+
+
+def _compressed_supports(spec: KVSpec, options: BackendOptions) -> str | None:
+    if spec.kind != "compressed":
+        return f"it reads a window and compressed entries, not {spec.kind!r} K/V"
+    if options.layout is None or not options.layout.specs:
+        return "it needs the pool's layout of compressed layers"
+    return None
+
+
+def _compressed_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
+    """The window and entry streams of compressed layers (DeepSeek-V4), in PyTorch: the
+    model attends over what it reads of them (``compressed_kv.py``)."""
+    return CompressedKV(options.layout, getattr(torch, spec.dtype))  # type: ignore[return-value]
+
+
+register(BackendEntry("torch-compressed", _compressed_supports, _compressed_build))

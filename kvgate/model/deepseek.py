@@ -25,7 +25,7 @@ Shapes: T tokens, H hidden, Nh heads, C latent dims, E experts.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,26 +360,40 @@ class DeepseekModel(DecoderModel[DeepseekLayer]):
         outputs are then added in ascending expert order from zero, the order transformers
         adds them in, so fp32 sums are bit-identical."""
         index, weights = self._route(e, h)  # [T, k] each
-        t, k = index.shape
-        experts = index.t().flatten()  # place-major: pair p is token p % T, place p // T
-        order = torch.argsort(experts, stable=True)
-        tokens, places = order % t, order // t
-        order = tokens * k + places  # each pair's position in token-major [T, k]
-        counts = torch.bincount(experts, minlength=len(e.experts)).tolist()
-        x = h.index_select(0, tokens)  # [T k, H]
-        y = torch.empty_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                y[start : start + n] = self._gated(e.experts[expert], x[start : start + n], None)
-                start += n
-        scaled = (y * weights.flatten()[order, None]).to(h.dtype)
-        pairs = torch.empty_like(scaled).index_copy_(0, order, scaled).view(t, k, -1)
-        rows = torch.arange(t, device=h.device)
-        out = torch.zeros_like(h)
-        for place in torch.argsort(index, dim=1).unbind(1):  # each token's experts, ascending
-            out = out + pairs[rows, place]
-        return out
+        return grouped_experts(
+            h, index, weights, len(e.experts), lambda i, x: self._gated(e.experts[i], x, None)
+        )
+
+
+def grouped_experts(
+    h: torch.Tensor,  # [T, H]
+    index: torch.Tensor,  # [T, k] int64: each token's experts
+    weights: torch.Tensor,  # [T, k]: their weights
+    num_experts: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],  # expert, rows [n, H] -> [n, H]
+) -> torch.Tensor:  # [T, H]
+    """The routed experts' weighted sum, grouped by expert across the batch (see
+    ``DeepseekModel._routed``; DeepSeek-V4 runs its experts through it too)."""
+    t, k = index.shape
+    experts = index.t().flatten()  # place-major: pair p is token p % T, place p // T
+    order = torch.argsort(experts, stable=True)
+    tokens, places = order % t, order // t
+    order = tokens * k + places  # each pair's position in token-major [T, k]
+    counts = torch.bincount(experts, minlength=num_experts).tolist()
+    x = h.index_select(0, tokens)  # [T k, H]
+    y = torch.empty_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            y[start : start + n] = mlp(expert, x[start : start + n])
+            start += n
+    scaled = (y * weights.flatten()[order, None]).to(h.dtype)
+    pairs = torch.empty_like(scaled).index_copy_(0, order, scaled).view(t, k, -1)
+    rows = torch.arange(t, device=h.device)
+    out = torch.zeros_like(h)
+    for place in torch.argsort(index, dim=1).unbind(1):  # each token's experts, ascending
+        out = out + pairs[rows, place]
+    return out
 
 
 # ---------------------------------------------------------------------- config and weights

@@ -51,6 +51,9 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     config = config_from_hf(raw, str(config_file), generation=generation, tokenizer=tokenizer)
 
     weights, sources = _load_safetensors(root)
+    rename = config.arch.hf_name
+    weights = {rename(name): w for name, w in weights.items()}
+    sources = {rename(name): file for name, file in sources.items()}
     if config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) head; the forward pass reuses embed.
         weights.pop("lm_head.weight", None)

@@ -6,8 +6,11 @@ A spec is the page format, not the arithmetic: a ``"full"`` layer keeps every po
 and V; a ``"sliding"`` one the same format, of which only its last ``window`` positions are
 read; a ``"latent"`` one (multi-head latent attention, DeepSeek) keeps one compressed vector
 per token, read as the key of every head, whose first ``v_dim`` entries are the value too:
-no V is stored. A new kind of cache (a compressed one, a lower-precision copy) is a new spec
-kind and a backend that says it ``supports`` it.
+no V is stored. A ``"compressed"`` one (DeepSeek-V4) keeps two streams: per token, a
+``k_dim`` vector read over the last ``window`` positions (its one KV head, K = V, and what its
+compressor still needs), and per ``rate`` tokens one ``v_dim`` entry, kept for the whole
+sequence (``rate`` None: a layer with the window alone). A new kind of cache (a
+lower-precision copy) is a new spec kind and a backend that says it ``supports`` it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, replace
 
 #: Bytes per element of the KV dtypes a spec may name (torch's names, without ``torch.``).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-KINDS = ("full", "sliding", "latent")
+KINDS = ("full", "sliding", "latent", "compressed")
 
 
 @dataclass(frozen=True)
@@ -31,15 +34,22 @@ class KVSpec:
     v_dim: int
     dtype: str = "bfloat16"
     window: int | None = None
+    #: Tokens a compressed entry stands for (``"compressed"`` only; None: no entries).
+    rate: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"KV spec kind must be one of {KINDS}, got {self.kind!r}")
-        if (self.kind == "sliding") != (self.window is not None):
+        if (self.kind in ("sliding", "compressed")) != (self.window is not None):
             raise ValueError(f"a {self.kind} KV spec with window={self.window}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"a sliding window must be positive, got {self.window}")
-        if min(self.num_kv_heads, self.k_dim, self.v_dim) <= 0:
+        compressed = self.kind == "compressed"
+        if self.rate is not None and (not compressed or self.rate <= 0):
+            raise ValueError(f"a {self.kind} KV spec with rate={self.rate}")
+        if compressed and (self.num_kv_heads != 1 or (self.rate is None) != (self.v_dim == 0)):
+            raise ValueError(f"a compressed KV spec is one head, with entries iff a rate: {self}")
+        if min(self.num_kv_heads, self.k_dim) <= 0 or self.v_dim < (0 if compressed else 1):
             raise ValueError(f"KV spec sizes must be positive: {self}")
         if self.kind == "latent" and (self.num_kv_heads != 1 or self.v_dim > self.k_dim):
             raise ValueError(f"a latent KV spec is one vector a token, its value within it: {self}")
@@ -64,6 +74,13 @@ class KVSpec:
         return (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype, self.stores_v)
 
     @staticmethod
+    def compressed(
+        window: int, token_dim: int, rate: int | None, entry_dim: int, dtype: str = "bfloat16"
+    ) -> KVSpec:
+        """A window of ``token_dim`` vectors, and an ``entry_dim`` entry every ``rate`` tokens."""
+        return KVSpec("compressed", 1, token_dim, entry_dim if rate else 0, dtype, window, rate)
+
+    @staticmethod
     def latent(dim: int, value_dim: int, dtype: str = "bfloat16") -> KVSpec:
         """Latent attention: one ``dim`` vector a token, its first ``value_dim`` the value."""
         return KVSpec("latent", 1, dim, value_dim, dtype)
@@ -71,10 +88,16 @@ class KVSpec:
     @property
     def stores_v(self) -> bool:
         """Whether V has pages of its own (not for a latent spec: V is within K)."""
-        return self.kind != "latent"
+        return self.kind not in ("latent", "compressed")
+
+    def entry_bytes(self) -> int:
+        """One compressed entry (0 where the layer keeps none)."""
+        return self.v_dim * DTYPE_BYTES[self.dtype] if self.rate else 0
 
     def bytes_per_token(self) -> int:
-        """K and V of one token of one layer."""
+        """K and V of one token of one layer (compressed: of the window stream alone)."""
+        if self.kind == "compressed":
+            return self.k_dim * DTYPE_BYTES[self.dtype]
         dims = self.k_dim + (self.v_dim if self.stores_v else 0)
         return self.num_kv_heads * dims * DTYPE_BYTES[self.dtype]
 

@@ -151,6 +151,13 @@ class EngineCollector(Collector):
                 snap.kv_bytes_per_token,
             )
             gauge(
+                "kvgate:kv_cache_held_bytes_per_token",
+                "KV bytes the running requests' blocks hold per token of their context (with "
+                "sliding windows and compressed entries, less than a block's bytes over its "
+                "tokens); 0 when nothing runs.",
+                snap.kv_held_bytes_per_token,
+            )
+            gauge(
                 "kvgate:kv_fragmentation_ratio",
                 "Reserved but unfilled KV slots over reserved slots (running requests).",
                 snap.kv_fragmentation,

@@ -34,8 +34,17 @@ def test_a_spec_knows_its_page_bytes_and_refuses_what_it_cannot_be() -> None:
     assert KVSpec.attention(2, 64, window=128).kind == "sliding"
     latent = KVSpec.latent(dim=40, value_dim=32, dtype="float32")
     assert not latent.stores_v and latent.bytes_per_token() == 40 * 4  # V is within K
+    compressed = KVSpec.compressed(window=8, token_dim=40, rate=4, entry_dim=12, dtype="float32")
+    assert not compressed.stores_v and compressed.bytes_per_token() == 40 * 4  # the window's
+    assert compressed.entry_bytes() == 12 * 4
+    window_only = KVSpec.compressed(8, 10, None, 12)
+    assert window_only.v_dim == 0 and window_only.entry_bytes() == 0
     for bad in (
-        dict(kind="compressed", num_kv_heads=1, k_dim=8, v_dim=8),
+        dict(kind="compressed", num_kv_heads=1, k_dim=8, v_dim=8),  # no window
+        dict(kind="compressed", num_kv_heads=1, k_dim=8, v_dim=8, window=4),  # entries, no rate
+        dict(kind="compressed", num_kv_heads=2, k_dim=8, v_dim=8, window=4, rate=4),
+        dict(kind="compressed", num_kv_heads=1, k_dim=8, v_dim=0, window=4, rate=4),
+        dict(kind="full", num_kv_heads=1, k_dim=8, v_dim=8, rate=4),  # a rate is compressed's
         dict(kind="latent", num_kv_heads=2, k_dim=8, v_dim=8),  # one vector a token
         dict(kind="latent", num_kv_heads=1, k_dim=8, v_dim=16),  # V within K
         dict(kind="sliding", num_kv_heads=1, k_dim=8, v_dim=8),  # no window

@@ -75,3 +75,4 @@ def test_metrics_are_never_torn_during_a_cancel_storm(live_server: LiveServer) -
     tokens = metric(after, "kvgate:kv_cache_capacity_tokens")
     assert tokens == metric(after, "kvgate:kv_cache_blocks") * 16
     assert metric(after, "kvgate:kv_cache_bytes_per_token") == 2 * 2 * 2 * 16 * 4
+    assert metric(after, "kvgate:kv_cache_held_bytes_per_token") == 0  # nothing runs
