@@ -35,6 +35,7 @@ log = logging.getLogger("kvgate.engine")
 #: how it is run, not what it is).
 VERSIONED_SETTINGS = (
     "dtype", "quantization", "gguf_blocks", "max_model_len", "block_size", "native_kernels",
+    "kv_cache_dtype",
 )  # fmt: skip
 
 

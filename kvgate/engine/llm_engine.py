@@ -167,7 +167,9 @@ class LLMEngine:
         #: Which layers share a block table (``kv_layout.py``), from each layer's KV spec as
         #: the model declares it, stored in the model's dtype: one group, or Gemma 3's
         #: global and sliding-window groups.
-        kv_dtype = str(self.dtype).removeprefix("torch.")
+        kv_dtype = config.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_layout = KVLayout.for_specs(
             [spec.with_dtype(kv_dtype) for spec in cls.kv_specs(checkpoint.config)],
             config.block_size,
@@ -183,6 +185,7 @@ class LLMEngine:
                 decode_kernel=kernels.attention,
                 upcast=upcast_attention(self.dtype, self.device),
                 layout=self.kv_layout,
+                compute_dtype=self.dtype,
             ),
         )
         self.model = cls(
@@ -201,7 +204,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             self.build_info["torch"] = torch.backends.cpu.get_cpu_capability().lower()
         self.build_info["kv_backend"] = self.attention_backend
-        log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
+        self.build_info["kv_dtype"] = kv_dtype
         del checkpoint  # the float32 copies of the weights can go now
         self.load_seconds = time.perf_counter() - t0
         self.kv_pool = self._size_kv_pool()
@@ -228,6 +231,11 @@ class LLMEngine:
             self.model.attention.kv_dtype,
             self.device,
         )
+        if kv_caches and self.model.attention.native_layout(*kv_caches[0]) is None:
+            # Whole native decode layers write and read only caches laid out for them
+            # (quantized rows are not yet): the per-op path runs.
+            self.build_info["decode"] = "per-op"
+        log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
         self.kv_cache = KVCacheManager(
             self.kv_pool.num_blocks,
             config.block_size,

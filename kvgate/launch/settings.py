@@ -21,6 +21,7 @@ from typing import Any
 from kvgate.config import (
     DEFAULT_MODEL,
     GGUF_BLOCKS,
+    KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     EngineConfig,
     available_memory_bytes,
@@ -76,6 +77,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         help="a GGUF's quantized matrices: auto (default) multiplies them in their blocks "
         "natively with --dtype auto where that gains on this CPU (models of >= 1 GiB in "
         "bf16; every model with AVX512-VNNI and no AMX), native always, dequantize never",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="how K/V are stored: auto (default) as the model computes them; int8 or fp8 "
+        "(e4m3) with a float32 scale per 32 values (per token and KV head), about 1.8x the "
+        "tokens in the same pool (fp8 does not hold on Qwen2.5); bfloat16 or float32 cast",
     )
     g.add_argument(
         "--kv-cache-memory",
@@ -155,6 +164,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         dtype=a.dtype,
         quantization=a.quantization,
         gguf_blocks=a.gguf_blocks,
+        kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_memory=kv,
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
@@ -392,7 +402,7 @@ class ModelToServe:
 
 #: Engine settings a ``models`` entry of the config file may set for its model alone.
 _PER_MODEL = frozenset({
-    "dtype", "quantization", "gguf_blocks", "max_model_len", "max_num_seqs",
+    "dtype", "quantization", "gguf_blocks", "kv_cache_dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "num_spare_seqs", "block_size", "enable_prefix_caching",
     "native_kernels", "speculative", "num_speculative_tokens", "speculative_ngram_min",
     "speculative_ngram_max",

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvgate.model.kv_codec import KVCodec
 from kvgate.model.kv_layout import KVGroup
+from kvgate.model.kv_spec import scale_groups
 
 if TYPE_CHECKING:
     from kvgate.model.cpu_kernels import PagedDecodeKernel
@@ -247,14 +249,25 @@ class TorchAttention:
         kv_dtype: torch.dtype = torch.float32,
         v_dim: int | None = None,
         v_in_k: bool = False,
+        codec: KVCodec | None = None,
     ) -> None:
         """``head_dim``: of q and K; ``v_dim``: of V and the output (None: ``head_dim``);
         ``v_in_k``: V is the first ``v_dim`` entries of K and has no cache of its own (a
-        latent spec: one KV head whose vector every query head reads)."""
+        latent spec: one KV head whose vector every query head reads); ``codec``: K/V rows
+        stored otherwise than computed (``kv_codec.py``: int8, fp8 or a cast; None: as
+        computed, in ``kv_dtype``)."""
         self.v_dim = head_dim if v_dim is None else v_dim
         self.v_in_k = v_in_k
         if v_in_k or self.v_dim != head_dim:
             decode_kernel = None  # the native kernels read K and V of one size, both cached
+        self.codec = codec
+        if codec is not None:
+            # int8 and fp8 rows: the native decode reads them in place
+            # (``decode_quantized``); other paths decode rows after the gather (PyTorch).
+            # A cast has no native path.
+            if not codec.scaled:
+                decode_kernel = None
+            kv_dtype = codec.storage_dtype
         self.decode_kernel = decode_kernel
         self.kv_dtype = kv_dtype
         #: bf16 attention matmuls computed in float32 and rounded back, for CPUs where
@@ -267,15 +280,19 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
 
+    def _width(self, dim: int) -> int:
+        """Stored elements of a row of ``dim`` values (a quantized row carries its scale)."""
+        return dim if self.codec is None else self.codec.row_width(dim)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        return (self.num_kv_heads, num_blocks, block_size, self._width(self.head_dim))
 
     def v_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        v_dim = 0 if self.v_in_k else self.v_dim
+        v_dim = 0 if self.v_in_k else self._width(self.v_dim)
         return (self.num_kv_heads, num_blocks, block_size, v_dim)
 
     def kv_block_bytes(self, block_size: int) -> int:
-        dims = self.head_dim + (0 if self.v_in_k else self.v_dim)
+        dims = self._width(self.head_dim) + (0 if self.v_in_k else self._width(self.v_dim))
         return self.num_kv_heads * block_size * dims * self.kv_dtype.itemsize
 
     def build_metadata(
@@ -291,7 +308,8 @@ class TorchAttention:
 
     def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
         if (
-            k_cache.dim() != 4
+            self.codec is not None
+            or k_cache.dim() != 4
             or k_cache.shape != v_cache.shape
             or k_cache.dtype != v_cache.dtype
             or k_cache.device.type != "cpu"
@@ -309,10 +327,12 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        hkv = self.num_kv_heads
+        if self.codec is not None:
+            k, v = self.codec.encode(k), self.codec.encode(v)
+        k_cache.view(hkv, -1, k.shape[-1]).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         if not self.v_in_k:
-            v_cache.view(hkv, -1, self.v_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            v_cache.view(hkv, -1, v.shape[-1]).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     def attend(
         self,
@@ -325,7 +345,11 @@ class TorchAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         # K/V of this step are in the pool already, so every sequence reads its whole context
-        # from there (a fresh prompt uses k and v directly).
+        # from there (a fresh prompt uses k and v directly: as stored, where rows are
+        # quantized, so that it attends over what its chunked twin would read).
+        if self.codec is not None and meta.prefills:
+            k = self.codec.roundtrip(k)
+            v = k[..., : self.v_dim] if self.v_in_k else self.codec.roundtrip(v)
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, window)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
@@ -342,10 +366,12 @@ class TorchAttention:
                 out[p.token_start : p.token_end] = self._prefill(q, k, v, k_cache, v_cache, p)
         return out
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[Hkv, N, bs, D] cache, [n] block ids -> [Hkv, n * bs, D], contiguous per head."""
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, dim: int) -> torch.Tensor:
+        """[Hkv, N, bs, D] cache, [n] block ids -> [Hkv, n * bs, dim], contiguous per head,
+        in the compute dtype (stored rows decoded after the gather)."""
         hkv, num_blocks, bs, d = cache.shape
-        return cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
+        rows = cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
+        return rows if self.codec is None else self.codec.decode(rows, dim)
 
     def _decode(
         self,
@@ -363,13 +389,19 @@ class TorchAttention:
             and kernel is not None
             and kernel.supports(q.dtype, self.group, self.head_dim, k_cache.shape[2])
         ):
+            if self.codec is not None:
+                return kernel.decode_quantized(
+                    q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale,
+                    scale_groups(self.head_dim), self.codec.name == "fp8",
+                )  # fmt: skip
             return kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, self.scale)
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
-        keys = self._gather(k_cache, meta.decode_blocks).view(hkv, b, -1, d)  # [Hkv, B, L, D]
+        keys = self._gather(k_cache, meta.decode_blocks, d).view(hkv, b, -1, d)  # [Hkv, B, L, D]
         if self.v_in_k:
             values = keys[..., : self.v_dim]
         else:
-            values = self._gather(v_cache, meta.decode_blocks).view(hkv, b, -1, self.v_dim)
+            values = self._gather(v_cache, meta.decode_blocks, self.v_dim)
+            values = values.view(hkv, b, -1, self.v_dim)
         # Padding past each sequence's length: bias [1, B, 1, L], 0 to attend, -inf to hide.
         span = torch.arange(keys.shape[2], device=q.device)[None, :]
         if meta.decode_kv_start is not None:
@@ -433,10 +465,10 @@ class TorchAttention:
                 p.token_start : p.token_end
             ].transpose(0, 1)
         n = p.context_len - p.kv_start
-        keys = self._gather(k_cache, p.block_table)[:, :n]
+        keys = self._gather(k_cache, p.block_table, self.head_dim)[:, :n]
         if self.v_in_k:
             return keys, keys[..., : self.v_dim]
-        return keys, self._gather(v_cache, p.block_table)[:, :n]
+        return keys, self._gather(v_cache, p.block_table, self.v_dim)[:, :n]
 
     def _windowed_prefill(
         self,

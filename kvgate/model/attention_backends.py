@@ -17,6 +17,7 @@ import torch
 from kvgate.errors import UnsupportedModel
 from kvgate.model.attention import AttentionBackend, TorchAttention
 from kvgate.model.compressed_kv import CompressedKV
+from kvgate.model.kv_codec import STORAGE, KVCodec, codec_for
 from kvgate.model.kv_layout import KVLayout
 from kvgate.model.kv_spec import KVSpec
 
@@ -37,6 +38,9 @@ class BackendOptions:
     upcast: bool = False
     #: The pool's layout (the compressed backend addresses its groups' blocks).
     layout: KVLayout | None = None
+    #: The dtype attention computes in (the model's); K/V stored otherwise (the spec's
+    #: dtype) go through a ``kv_codec.KVCodec``. None: the spec's dtype.
+    compute_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,16 @@ def _torch_supports(spec: KVSpec, options: BackendOptions) -> str | None:
     return None
 
 
+def _codec(spec: KVSpec, options: BackendOptions) -> KVCodec | None:
+    if options.compute_dtype is None:
+        return None
+    return codec_for(spec.dtype, options.compute_dtype)
+
+
+def _storage(spec: KVSpec) -> torch.dtype:
+    return STORAGE[spec.dtype]
+
+
 def _torch_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
     return TorchAttention(
         options.num_heads,
@@ -101,7 +115,8 @@ def _torch_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
         decode_kernel=options.decode_kernel,
         upcast=options.upcast,
         scale=options.scale,
-        kv_dtype=getattr(torch, spec.dtype),
+        kv_dtype=_storage(spec),
+        codec=_codec(spec, options),
     )
 
 
@@ -124,9 +139,10 @@ def _latent_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
         spec.k_dim,
         upcast=options.upcast,
         scale=options.scale,
-        kv_dtype=getattr(torch, spec.dtype),
+        kv_dtype=_storage(spec),
         v_dim=spec.v_dim,
         v_in_k=True,
+        codec=_codec(spec, options),
     )
 
 
@@ -138,13 +154,15 @@ def _compressed_supports(spec: KVSpec, options: BackendOptions) -> str | None:
         return f"it reads a window and compressed entries, not {spec.kind!r} K/V"
     if options.layout is None or not options.layout.specs:
         return "it needs the pool's layout of compressed layers"
+    if options.compute_dtype is not None and _codec(spec, options) is not None:
+        return f"it stores pages as the model computes them, not as {spec.dtype}"
     return None
 
 
 def _compressed_build(spec: KVSpec, options: BackendOptions) -> AttentionBackend:
     """The window and entry streams of compressed layers (DeepSeek-V4), in PyTorch: the
     model attends over what it reads of them (``compressed_kv.py``)."""
-    return CompressedKV(options.layout, getattr(torch, spec.dtype))  # type: ignore[return-value]
+    return CompressedKV(options.layout, _storage(spec))  # type: ignore[return-value]
 
 
 register(BackendEntry("torch-compressed", _compressed_supports, _compressed_build))

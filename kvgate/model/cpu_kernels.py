@@ -162,7 +162,8 @@ def load_library(name: str, level: str | None = None) -> KernelLibrary | None:
 class PagedDecodeKernel:
     """ctypes front of the attention kernels (``paged_decode.c``); calls release the GIL.
 
-    ``__call__``: paged decode, bf16 or float32. ``causal_softmax``: the softmax of the
+    ``__call__``: paged decode, bf16 or float32. ``decode_quantized``: the same over int8 or
+    fp8 rows with their scales (``kv_codec.py``). ``causal_softmax``: the softmax of the
     short-prompt prefill path, bf16 only (None when not compiled in).
     """
 
@@ -184,6 +185,51 @@ class PagedDecodeKernel:
                 ctypes.c_int,
                 ctypes.c_float,
             ]
+
+        self._q8 = {
+            torch.bfloat16: lib.paged_decode_q8_bf16,
+            torch.float32: lib.paged_decode_q8_f32,
+        }
+        for fn in self._q8.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                *([ctypes.c_void_p] * 6),
+                *([ctypes.c_int] * 4),
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_float,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+        #: Every e4m3 byte's value, for the fp8 rows (the table the kernel reads them by).
+        self._fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        self._fp8 = self._fp8.view(torch.float8_e4m3fn).float().contiguous()
+
+    def decode_quantized(
+        self,
+        q: torch.Tensor,  # [B, Hq, D] contiguous
+        k_cache: torch.Tensor,  # [Hkv, N, BS, D + 4 groups] uint8
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        groups: int,  # scales a row
+        fp8: bool,
+    ) -> torch.Tensor:
+        b, hq, d = q.shape
+        hkv, n, bs, _ = k_cache.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        table = self._fp8.data_ptr() if fp8 else None
+        rc = self._q8[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), b, hkv, hq // hkv, d, n, bs,
+            tables.numel() // b, scale, groups, table,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"quantized paged decode refused shapes: dim={d}, groups={groups}")
+        return out
 
     def decode_address(self, dtype: torch.dtype) -> int:
         """The paged decode kernel's address, for C code that calls it (``native_decode``)."""

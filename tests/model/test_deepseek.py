@@ -437,3 +437,16 @@ def state_gate(model: Any, layer: int, expert: int) -> torch.Tensor:
     inter = model.config.moe_intermediate_size
     result: torch.Tensor = experts.gate_up_proj.detach()[expert, :inter].float()
     return result
+
+
+def test_an_int8_latent_cache_keeps_a_quarter_of_the_bytes(tiny: dict[str, Any]) -> None:
+    """``--kv-cache-dtype int8`` on the latent cache: one 40-value row a token and layer
+    as 40 bytes and a scale (44, against 160 in float32), and the first tokens as in fp32."""
+    case = tiny["v3"]
+    llm = LLM(str(case["dir"]), dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8")
+    engine = llm.engine
+    assert engine.build_info["kv_dtype"] == "int8"
+    assert engine.kv_pool.bytes // engine.kv_pool.num_tokens == engine.model_config.num_layers * 44
+    got = _greedy(llm, case["prompts"])
+    first = sum(g[0] == e[0] for g, e in zip(got, case["expected"], strict=True))
+    assert first >= 3, (got, case["expected"])

@@ -278,3 +278,8 @@ def test_the_config_reads_legacy_spellings_and_transformers_defaults() -> None:
     assert out["rope"] == (10000.0, None) and f.compress_theta == 160000.0
     assert (out["head_dim"], f.rope_dim, f.sliding_window, f.hc_mult) == (512, 64, 128, 4)
     assert (f.index_topk, f.num_experts, f.experts_per_token) == (512, 256, 6)
+
+
+def test_quantized_kv_is_refused_naming_why(tiny: dict[str, Any]) -> None:
+    with pytest.raises(UnsupportedModel, match="torch-compressed: it stores pages as"):
+        LLM(str(tiny["dir"]), dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8")

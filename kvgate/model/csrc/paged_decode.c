@@ -95,6 +95,92 @@ int NAME(const T* q, const T* kc, const T* vc, const int64_t* tables, const int6
 DEFINE_DECODE(paged_decode_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE(paged_decode_f32_generic, float, LOAD_F32, STORE_F32)
 
+/* Quantized K/V rows (kv_codec.py): a row of one token and KV head is D bytes of int8 or fp8
+ * (e4m3) values, then NG float32 scales, one per D / NG values; row stride D + 4 NG bytes,
+ * cache [Hkv, N, BS, D + 4 NG]. Each block's rows are decoded to float once (values times
+ * their group's scale) into the same scratch the float paths use, then scored and
+ * accumulated as there: the pool is read at 1 byte a value, never copied. fp8 bytes go
+ * through a 256-entry table of their values (exact: e4m3 has 256 codes). */
+static inline void decode_q8_rows(const uint8_t* src, float* dst, int n, int D, int NG,
+                                  const float* fp8, int round_bf16) {
+    const int row = D + 4 * NG, gs = D / NG;
+    for (int t = 0; t < n; ++t) {
+        const uint8_t* r = src + (int64_t)t * row;
+        float sc[MAX_D / 8];
+        memcpy(sc, r + D, (size_t)NG * 4);
+        float* o = dst + (int64_t)t * D;
+        if (fp8) {
+            for (int d = 0; d < D; ++d) o[d] = fp8[r[d]] * sc[d / gs];
+        } else {
+            for (int g = 0; g < NG; ++g) {
+                const int8_t* v = (const int8_t*)r + g * gs;
+                const float s = sc[g];
+                for (int d = 0; d < gs; ++d) o[g * gs + d] = (float)v[d] * s;
+            }
+        }
+        /* A bf16 model's other paths read the decoded rows as bf16 (KVCodec.decode): the
+         * same values here. */
+        if (round_bf16)
+            for (int d = 0; d < D; ++d) o[d] = bf16_to_f32(f32_to_bf16(o[d]));
+    }
+}
+
+#define DEFINE_DECODE_Q8(NAME, T, LOAD, STORE, ROUND)                                          \
+int NAME(const T* q, const uint8_t* kc, const uint8_t* vc, const int64_t* tables,             \
+         const int64_t* lens, T* out, int B, int Hkv, int G, int D, int64_t N, int BS,         \
+         int max_blocks, float scale, int NG, const float* fp8) {                              \
+    if (G > MAX_G || D > MAX_D || BS > MAX_BS || NG < 1 || NG > MAX_D / 8 || D % NG)          \
+        return -1;                                                                             \
+    const int64_t row = D + 4 * NG;                                                            \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
+    for (int item = 0; item < B * Hkv; ++item) {                                               \
+        const int b = item / Hkv, h = item % Hkv;                                              \
+        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                         \
+        float kf[MAX_BS * MAX_D], vf[MAX_BS * MAX_D], s[MAX_BS];                               \
+        for (int g = 0; g < G; ++g) {                                                          \
+            const T* qp = q + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * D;                 \
+            for (int d = 0; d < D; ++d) { qf[g][d] = LOAD(qp[d]) * scale; acc[g][d] = 0.f; }   \
+            m[g] = -INFINITY; l[g] = 0.f;                                                      \
+        }                                                                                      \
+        const int64_t len = lens[b];                                                           \
+        for (int64_t start = 0; start < len; start += BS) {                                    \
+            const int n = (int)(len - start < BS ? len - start : BS);                          \
+            const int64_t blk = tables[(int64_t)b * max_blocks + start / BS];                  \
+            decode_q8_rows(kc + (h * N + blk) * BS * row, kf, n, D, NG, fp8, ROUND);           \
+            decode_q8_rows(vc + (h * N + blk) * BS * row, vf, n, D, NG, fp8, ROUND);           \
+            for (int g = 0; g < G; ++g) {                                                      \
+                float m_blk = -INFINITY;                                                       \
+                for (int t = 0; t < n; ++t) {                                                  \
+                    float dot = 0.f;                                                           \
+                    for (int d = 0; d < D; ++d) dot += qf[g][d] * kf[t * D + d];               \
+                    s[t] = dot;                                                                \
+                    m_blk = dot > m_blk ? dot : m_blk;                                         \
+                }                                                                              \
+                const float m_new = m_blk > m[g] ? m_blk : m[g];                               \
+                const float corr = expf(m[g] - m_new);                                         \
+                float sum = 0.f;                                                               \
+                for (int t = 0; t < n; ++t) { s[t] = expf(s[t] - m_new); sum += s[t]; }        \
+                l[g] = l[g] * corr + sum;                                                      \
+                m[g] = m_new;                                                                  \
+                for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                 \
+                for (int t = 0; t < n; ++t) {                                                  \
+                    const float p = s[t];                                                      \
+                    for (int d = 0; d < D; ++d) acc[g][d] += p * vf[t * D + d];                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int g = 0; g < G; ++g) {                                                          \
+            T* op = out + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * D;                     \
+            const float inv = 1.f / l[g];                                                      \
+            for (int d = 0; d < D; ++d) op[d] = STORE(acc[g][d] * inv);                        \
+        }                                                                                      \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_DECODE_Q8(paged_decode_q8_bf16, uint16_t, bf16_to_f32, f32_to_bf16, 1)
+DEFINE_DECODE_Q8(paged_decode_q8_f32, float, LOAD_F32, STORE_F32, 0)
+
 #ifdef KVGATE_AVX512BF16
 #include <immintrin.h>
 

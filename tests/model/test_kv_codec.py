@@ -1,0 +1,147 @@
+"""K/V stored otherwise than computed (``--kv-cache-dtype``): int8 and fp8 rows with a scale
+each, within their bounds; attention over them equal to attention over the decoded values;
+the same prompt whole, chunked and from a prefix hit gives the same tokens; the pool holds
+more tokens in the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgate import SamplingParams
+from kvgate.config import EngineConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.entrypoints.llm import LLM
+from kvgate.errors import InvalidConfig
+from kvgate.model.attention import AttentionMetadata, TorchAttention
+from kvgate.model.kv_codec import KVCodec, codec_for
+from tests.model.steps import one_prefill
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_come_back_within_the_formats_bound(name: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, 64, generator=g) * torch.rand(50, 4, 1, generator=g) * 10
+    x[3, 2] = 0.0  # an all-zero row keeps a scale of 1 and comes back zero
+    x[7, 1, 5] = 300.0  # an outlier costs only its own row its precision
+    x = x.to(dtype)
+    codec = KVCodec(name, dtype)
+    rows = codec.encode(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 4, 64 + 2 * 4)  # 2 scales a row
+    back = codec.decode(rows, 64)
+    assert back.dtype == dtype and back.shape == x.shape
+    xf, err = x.float(), (back.float() - x.float()).abs()
+    groups = xf.view(50, 4, 2, 32).abs().amax(-1, keepdim=True)  # a scale per 32 values
+    scale = groups.expand(50, 4, 2, 32).reshape(50, 4, 64) / (127 if name == "int8" else 448)
+    # int8: rounding to the nearest step of the row's scale; e4m3: 3 mantissa bits (half
+    # an ulp, 2^-4 relative), subnormals below 2^-6.
+    half_step = scale / 2
+    bound = half_step if name == "int8" else xf.abs() * 2**-4 + scale * 2**-9
+    slack = 2**-7 if dtype == torch.bfloat16 else 1e-6  # the cast back to the model's dtype
+    assert bool((err <= bound * 1.0001 + xf.abs() * slack + 1e-12).all())
+    assert bool((back[3, 2] == 0).all())
+    if name == "int8":  # the outlier's 32 values lost precision; the row's other 32 did not
+        assert err[7, 1, 32:].max() < err[7, 1, :32].max() / 10
+    assert torch.equal(codec.roundtrip(back), back)  # decoded rows are stored exactly again
+
+
+def test_a_dtype_stored_as_computed_needs_no_codec() -> None:
+    assert codec_for("bfloat16", torch.bfloat16) is None
+    assert codec_for("int8", torch.bfloat16) is not None
+    cast = codec_for("bfloat16", torch.float32)
+    assert cast is not None and cast.row_width(64) == 64
+    with pytest.raises(InvalidConfig, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "bfloat16"])
+def test_attention_reads_the_decoded_rows(name: str) -> None:
+    """A chunk after a cached prefix and a decode over stored rows equal attention in the
+    model's dtype over what the rows decode to; a fresh prompt attends over the same."""
+    torch.manual_seed(1)
+    hq, hkv, d, bs, n = 4, 2, 16, 4, 10
+    codec = codec_for(name, torch.float32)
+    attn = TorchAttention(hq, hkv, d, codec=codec)
+    plain = TorchAttention(hq, hkv, d)
+    num_blocks = 8
+    caches = [
+        torch.zeros(attn.kv_cache_shape(num_blocks, bs), dtype=attn.kv_dtype),
+        torch.zeros(attn.v_cache_shape(num_blocks, bs), dtype=attn.kv_dtype),
+    ]
+    plain_caches = [torch.zeros(plain.kv_cache_shape(num_blocks, bs)) for _ in range(2)]
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    assert codec is not None
+    k_rt, v_rt = codec.roundtrip(k), codec.roundtrip(v)
+    meta = one_prefill(n, bs)
+    attn.write_kv(k, v, *caches, meta)
+    plain.write_kv(k_rt, v_rt, *plain_caches, meta)
+    fresh = attn.attend(q, k, v, *caches, meta)
+    want = plain.attend(q, k_rt, v_rt, *plain_caches, meta)
+    torch.testing.assert_close(fresh, want, rtol=0, atol=0)
+    # One decode more, reading every row from the pool.
+    q1, k1, v1 = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+    step = AttentionMetadata(
+        slot_mapping=torch.tensor([n]),
+        num_decodes=1,
+        decode_blocks=torch.arange(-(-(n + 1) // bs)),
+        decode_lens=torch.tensor([n + 1]),
+        prefills=(),
+    )
+    attn.write_kv(k1, v1, *caches, step)
+    plain.write_kv(codec.roundtrip(k1), codec.roundtrip(v1), *plain_caches, step)
+    got = attn.attend(q1, k1, v1, *caches, step)
+    torch.testing.assert_close(got, plain.attend(q1, k1, v1, *plain_caches, step), rtol=0, atol=0)
+    # Against unquantized K/V: close, not equal.
+    exact = plain.attend(q, k, v, *[torch.zeros_like(c) for c in plain_caches], meta)
+    tol = {"int8": 0.05, "fp8": 0.15, "bfloat16": 0.02}[name]
+    assert (fresh - exact).abs().max() < tol
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_the_same_prompt_scheduled_otherwise_gives_the_same_tokens(
+    name: str, tiny_llama_dir: Path
+) -> None:
+    """Whole, in chunks of 5 tokens, batched, and continued from a prefix hit: every path
+    attends over the quantized rows, so none differs from another."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(40 + 9 * i)] for i in range(3)]
+    whole = LLM(
+        str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, enable_prefix_caching=False
+    )
+    want = [_greedy(whole, [p])[0] for p in prompts]
+    chunked = LLM(
+        str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, max_num_batched_tokens=5
+    )
+    assert _greedy(chunked, prompts) == want
+    out = chunked.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.num_cached_tokens >= 48  # continued from the prefix the batch cached
+    assert list(out.token_ids) == want[2]
+    assert chunked.engine.build_info["kv_dtype"] == name
+
+
+def test_the_pool_holds_more_tokens_in_the_same_bytes(tiny_llama_dir: Path) -> None:
+    def tokens(kv: str) -> int:
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                dtype="bfloat16",
+                kv_cache_dtype=kv,
+                kv_cache_memory="8MiB",
+            )
+        )
+        if kv == "int8":  # the whole native decode layers do not read quantized rows yet
+            assert engine.build_info["decode"] == "per-op"
+        return engine.kv_pool.num_tokens
+
+    bf16, int8 = tokens("auto"), tokens("int8")
+    head_dim = 16  # the tiny Llama's: a row is 16 bytes and one 4-byte scale, against 32
+    assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
