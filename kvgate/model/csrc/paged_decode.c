@@ -36,6 +36,30 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 
 #define MAX_BS 64
 
+/* One block of n keys (rows at stride D in kf / vf, float) for one query head: scores,
+ * then one online-softmax update (running max m, sum l, accumulator acc) for the block. */
+static inline void attend_block(const float* qf, const float* kf, const float* vf, int n,
+                                int D, float* m, float* l, float* acc, float* s) {
+    float m_blk = -INFINITY;
+    for (int t = 0; t < n; ++t) {
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qf[d] * kf[t * D + d];
+        s[t] = dot;
+        m_blk = dot > m_blk ? dot : m_blk;
+    }
+    const float m_new = m_blk > *m ? m_blk : *m;
+    const float corr = expf(*m - m_new);
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) { s[t] = expf(s[t] - m_new); sum += s[t]; }
+    *l = *l * corr + sum;
+    *m = m_new;
+    for (int d = 0; d < D; ++d) acc[d] *= corr;
+    for (int t = 0; t < n; ++t) {
+        const float p = s[t];
+        for (int d = 0; d < D; ++d) acc[d] += p * vf[t * D + d];
+    }
+}
+
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
 int NAME(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,   \
          T* out, int B, int Hkv, int G, int D, int64_t N, int BS, int max_blocks,              \
@@ -60,26 +84,8 @@ int NAME(const T* q, const T* kc, const T* vc, const int64_t* tables, const int6
             const T* kp = kc + (h * N + blk) * BS * D;                                         \
             const T* vp = vc + (h * N + blk) * BS * D;                                         \
             for (int i = 0; i < n * D; ++i) { kf[i] = LOAD(kp[i]); vf[i] = LOAD(vp[i]); }      \
-            for (int g = 0; g < G; ++g) {                                                      \
-                float m_blk = -INFINITY;                                                       \
-                for (int t = 0; t < n; ++t) {                                                  \
-                    float dot = 0.f;                                                           \
-                    for (int d = 0; d < D; ++d) dot += qf[g][d] * kf[t * D + d];               \
-                    s[t] = dot;                                                                \
-                    m_blk = dot > m_blk ? dot : m_blk;                                         \
-                }                                                                              \
-                const float m_new = m_blk > m[g] ? m_blk : m[g];                               \
-                const float corr = expf(m[g] - m_new);                                         \
-                float sum = 0.f;                                                               \
-                for (int t = 0; t < n; ++t) { s[t] = expf(s[t] - m_new); sum += s[t]; }        \
-                l[g] = l[g] * corr + sum;                                                      \
-                m[g] = m_new;                                                                  \
-                for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                 \
-                for (int t = 0; t < n; ++t) {                                                  \
-                    const float p = s[t];                                                      \
-                    for (int d = 0; d < D; ++d) acc[g][d] += p * vf[t * D + d];                \
-                }                                                                              \
-            }                                                                                  \
+            for (int g = 0; g < G; ++g)                                                        \
+                attend_block(qf[g], kf, vf, n, D, &m[g], &l[g], acc[g], s);                    \
         }                                                                                      \
         for (int g = 0; g < G; ++g) {                                                          \
             T* op = out + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * D;                     \
@@ -148,26 +154,8 @@ int NAME(const T* q, const uint8_t* kc, const uint8_t* vc, const int64_t* tables
             const int64_t blk = tables[(int64_t)b * max_blocks + start / BS];                  \
             decode_q8_rows(kc + (h * N + blk) * BS * row, kf, n, D, NG, fp8, ROUND);           \
             decode_q8_rows(vc + (h * N + blk) * BS * row, vf, n, D, NG, fp8, ROUND);           \
-            for (int g = 0; g < G; ++g) {                                                      \
-                float m_blk = -INFINITY;                                                       \
-                for (int t = 0; t < n; ++t) {                                                  \
-                    float dot = 0.f;                                                           \
-                    for (int d = 0; d < D; ++d) dot += qf[g][d] * kf[t * D + d];               \
-                    s[t] = dot;                                                                \
-                    m_blk = dot > m_blk ? dot : m_blk;                                         \
-                }                                                                              \
-                const float m_new = m_blk > m[g] ? m_blk : m[g];                               \
-                const float corr = expf(m[g] - m_new);                                         \
-                float sum = 0.f;                                                               \
-                for (int t = 0; t < n; ++t) { s[t] = expf(s[t] - m_new); sum += s[t]; }        \
-                l[g] = l[g] * corr + sum;                                                      \
-                m[g] = m_new;                                                                  \
-                for (int d = 0; d < D; ++d) acc[g][d] *= corr;                                 \
-                for (int t = 0; t < n; ++t) {                                                  \
-                    const float p = s[t];                                                      \
-                    for (int d = 0; d < D; ++d) acc[g][d] += p * vf[t * D + d];                \
-                }                                                                              \
-            }                                                                                  \
+            for (int g = 0; g < G; ++g)                                                        \
+                attend_block(qf[g], kf, vf, n, D, &m[g], &l[g], acc[g], s);                    \
         }                                                                                      \
         for (int g = 0; g < G; ++g) {                                                          \
             T* op = out + ((int64_t)b * Hkv * G + (int64_t)h * G + g) * D;                     \
