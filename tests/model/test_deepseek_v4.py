@@ -283,3 +283,21 @@ def test_the_config_reads_legacy_spellings_and_transformers_defaults() -> None:
 def test_quantized_kv_is_refused_naming_why(tiny: dict[str, Any]) -> None:
     with pytest.raises(UnsupportedModel, match="torch-compressed: it stores pages as"):
         LLM(str(tiny["dir"]), dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype="int8")
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_stays_exact(tiny: dict[str, Any]) -> None:
+    """Twelve blocks for five prompts that need four each: sequences are preempted, their
+    window and entry blocks freed, and recomputed (from what the prefix cache kept) to the
+    same tokens."""
+    probe = LLM(str(tiny["dir"]), dtype="float32", kv_cache_memory="64MiB")
+    block = probe.engine.kv_layout.block_bytes(16)
+    llm = LLM(
+        str(tiny["dir"]),
+        dtype="float32",
+        kv_cache_memory=str(12 * block),
+        max_model_len=256,
+        max_num_batched_tokens=16,
+    )
+    assert llm.engine.kv_pool.num_blocks == 12
+    assert _greedy(llm, tiny["prompts"]) == tiny["expected"]
+    assert llm.engine.scheduler.num_preemptions > 0

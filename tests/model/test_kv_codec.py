@@ -145,3 +145,23 @@ def test_the_pool_holds_more_tokens_in_the_same_bytes(tiny_llama_dir: Path) -> N
     bf16, int8 = tokens("auto"), tokens("int8")
     head_dim = 16  # the tiny Llama's: a row is 16 bytes and one 4-byte scale, against 32
     assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
+
+
+def test_a_preempted_and_recomputed_prompt_reads_the_same_rows(tiny_llama_dir: Path) -> None:
+    """int8 rows under a pool too small for the batch: preempted sequences recompute to the
+    tokens they give alone."""
+    prompts = [[(11 * i + j) % 700 + 3 for j in range(60 + 13 * i)] for i in range(4)]
+    alone = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype="int8")
+    want = [_greedy(alone, [p], 24)[0] for p in prompts]
+    # A block: 16 tokens x 2 layers x (K, V) x 2 KV heads x (16 + 4) bytes = 2560.
+    small = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        kv_cache_dtype="int8",
+        kv_cache_memory=str(14 * 2560),
+        max_model_len=160,
+        max_num_batched_tokens=32,
+    )
+    assert small.engine.kv_pool.num_blocks == 14
+    assert _greedy(small, prompts, 24) == want
+    assert small.engine.scheduler.num_preemptions > 0
