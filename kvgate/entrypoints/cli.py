@@ -1,5 +1,5 @@
-"""The ``kvgate`` command: ``kvgate serve`` (the OpenAI-compatible server), ``kvgate generate``
-and an interactive ``kvgate chat``."""
+"""The ``kvgate`` command: ``kvgate serve`` (the OpenAI-compatible server), ``kvgate generate``,
+an interactive ``kvgate chat``, and ``kvgate plan`` (memory sizing, no model loaded)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvgate.config import KV_CACHE_DTYPES
 from kvgate.errors import KVGateError
 from kvgate.launch.settings import (
     add_engine_args,
@@ -133,6 +134,55 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(launch)
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Print the plan; 0 when the pool holds ``--concurrency`` sequences (one, without) for
+    some KV dtype shown, else 1."""
+    from kvgate.launch.plan import DEFAULT_MARGIN, plan_for, render
+
+    dtypes = KV_CACHE_DTYPES if a.kv_cache_dtype == "all" else (a.kv_cache_dtype,)
+    a.kv_cache_dtype = dtypes[0]
+    plan = plan_for(
+        engine_config(a),
+        memory=a.memory,
+        margin=DEFAULT_MARGIN if a.margin is None else a.margin,
+        concurrency=a.concurrency,
+        kv_dtypes=dtypes,
+    )
+    print(render(plan))
+    return 0 if any(kv.sequences >= (a.concurrency or 1) for kv in plan.kv) else 1
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """``kvgate plan``'s flags: the engine's (``--kv-cache-dtype`` takes ``all`` too), and
+    the budget's. ``p`` must resolve conflicting flags (``conflict_handler="resolve"``)."""
+    add_engine_args(p)
+    g = p.add_argument_group("plan")
+    g.add_argument(
+        "--memory",
+        default=None,
+        help="the server's whole memory, e.g. 16GiB or a fraction of available memory (0.8): "
+        "the KV pool gets what the weights, runtime and margin leave, and the plan gives its "
+        "--kv-cache-memory; default: the pool is --kv-cache-memory, and the plan gives the "
+        "memory it needs",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="sequences of --max-model-len that must fit at once: whether they do, and the "
+        "memory and --kv-cache-memory they need",
+    )
+    g.add_argument(
+        "--margin", type=float, default=None, help="the share of the memory kept free (0.1)"
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="all",
+        choices=[*KV_CACHE_DTYPES, "all"],
+        help="the KV dtype to plan; all (default): a row for each",
+    )
+
+
 def cmd_rollout(a: argparse.Namespace) -> int:
     from kvgate.cluster.rollout_cli import cmd_rollout as run
 
@@ -141,7 +191,7 @@ def cmd_rollout(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvgate`` parser: ``serve`` (its flags are ``kvgate.launch.settings``'s),
-    ``rollout``, ``generate`` and ``chat``."""
+    ``rollout``, ``plan``, ``generate`` and ``chat``."""
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -154,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rollout_args(rollout)
     rollout.set_defaults(func=cmd_rollout)
+    plan = sub.add_parser(
+        "plan",
+        help="how many sequences of --max-model-len fit in --memory, per KV dtype (reads the "
+        "model's headers only)",
+        conflict_handler="resolve",
+    )
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate a reply to one prompt")
     gen.add_argument("prompt", nargs="?", default="Write a haiku about a cache.")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")

@@ -22,6 +22,7 @@ from kvgate.engine.front import EngineFront
 from kvgate.engine.policy import SchedulingPolicy
 from kvgate.engine.stats import StatsListener
 from kvgate.errors import InvalidConfig
+from kvgate.launch.plan import log_plan
 from kvgate.launch.settings import Launch
 from kvgate.server.config import ServerConfig
 
@@ -176,6 +177,7 @@ def run_server(launch: Launch) -> int:
             "model %r: %s (%s, kv_cache_memory=%s)",
             m.name, m.engine.model, m.engine.dtype, _memory(m.engine.kv_cache_memory),
         )  # fmt: skip
+        log_plan(m.engine, m.name)  # what `kvgate plan` predicts for it (launch/plan.py)
     log.info(
         "kvgate serving %s on http://%s:%d/v1 ; /health turns 200 once %s loaded",
         ", ".join(repr(m.name) for m in models),

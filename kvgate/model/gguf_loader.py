@@ -37,7 +37,7 @@ from kvgate.model.quant_tensor import NATIVE_QTYPES, QuantTensor, dequantize_blo
 from kvgate.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
 from kvgate.tokenizer_spm import spm_backend
 
-__all__ = ["is_gguf_file", "load_gguf", "load_gguf_tokenizer"]
+__all__ = ["GGUFTensor", "is_gguf_file", "load_gguf", "load_gguf_tokenizer", "read_gguf_header"]
 
 _MAGIC = b"GGUF"
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -111,6 +111,38 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     file = str(path)
     fields, _, _ = _parse_header(_map(file), file)
     return _tokenizer_from_fields(fields, file)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor as a GGUF header describes it, under its Hugging Face name."""
+
+    name: str
+    shape: tuple[int, ...]  # HF order: [out, in]
+    qtype: GGMLQuantizationType
+    nbytes: int  # in the file
+
+
+def read_gguf_header(path: str | os.PathLike[str]) -> tuple[ModelConfig, list[GGUFTensor]]:
+    """The config and every tensor's name, shape, type and size, from the header alone: no
+    tensor is read (sizing a model before loading it, ``kvgate plan``).
+
+    Raises:
+        CorruptWeights / UnsupportedModel: as :func:`load_gguf`.
+    """
+    file = str(path)
+    buf = _map(file)
+    fields, infos, data_start = _parse_header(buf, file)
+    config = _config_from_fields(fields, {t.name for t in infos}, file)
+    return config, [
+        GGUFTensor(
+            _hf_name(config.arch, info.name, file),
+            tuple(reversed(info.dims)),
+            info.qtype,
+            _extent(buf, data_start, info, file)[1],
+        )
+        for info in infos
+    ]
 
 
 def _map(file: str) -> np.ndarray:
