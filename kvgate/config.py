@@ -15,6 +15,8 @@ _QUANTIZATIONS = (None, "int8", "int8-b32")
 GGUF_BLOCKS = ("auto", "native", "dequantize")
 #: How K/V are stored (``EngineConfig.kv_cache_dtype``).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+#: Where full KV blocks go beyond the pool (``EngineConfig.kv_tier``).
+KV_TIERS = ("none", "disk")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -149,6 +151,13 @@ class EngineConfig:
     #: ``float32`` cast.
     kv_cache_dtype: str = "auto"
     kv_cache_memory: str | float = "1GiB"
+    #: A second KV tier (``engine/disk_tier.py``): ``disk`` keeps every full block the pool
+    #: caches in files under ``kv_tier_dir`` (default ``$KVGATE_DATA_DIR/kv-tier``, else
+    #: ``~/.local/share/kvgate/kv-tier``), up to ``kv_tier_size`` bytes, least recently used
+    #: out first; a prefix the pool lost is loaded back from it, also after a restart.
+    kv_tier: str = "none"
+    kv_tier_size: str = "4GiB"
+    kv_tier_dir: str | None = None
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
@@ -188,6 +197,21 @@ class EngineConfig:
             raise InvalidConfig(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
                 param="kv_cache_dtype",
+            )
+        if self.kv_tier not in KV_TIERS:
+            raise InvalidConfig(
+                f"kv_tier must be one of {KV_TIERS}, got {self.kv_tier!r}", param="kv_tier"
+            )
+        if self.kv_tier != "none" and not self.enable_prefix_caching:
+            raise InvalidConfig(
+                "kv_tier keeps cached prefixes: it needs prefix caching (drop "
+                "--no-prefix-caching or use --kv-tier none)",
+                param="kv_tier",
+            )
+        if not isinstance(self.kv_tier_size, str) or parse_memory(self.kv_tier_size, 1) <= 1:
+            raise InvalidConfig(
+                f"kv_tier_size must be a size such as 8GiB, got {self.kv_tier_size!r}",
+                param="kv_tier_size",
             )
         if self.gguf_blocks not in GGUF_BLOCKS:
             raise InvalidConfig(

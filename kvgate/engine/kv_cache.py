@@ -10,18 +10,34 @@ cached for prefix hits if it was full); a global group keeps every block.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from kvgate.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from kvgate.engine.offload import BlockRef, LoadCosts, LoadOrder, NullTier, OffloadingManager
 from kvgate.engine.request import Request
 from kvgate.model.kv_layout import KVGroup, KVLayout, cdiv
 
-__all__ = ["KVCacheManager", "PrefixHit", "Table", "cdiv"]
+__all__ = ["KVCacheManager", "PrefixHit", "Table", "TierPlan", "cdiv"]
 
 Table = list[KVBlock | None]
 #: Prefix-cache hits of a request: one table per group, all of the same length (the hit in
 #: blocks); sliding groups have ``None`` where the window no longer reaches.
 PrefixHit = Sequence[Sequence[KVBlock | None]]
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """A prefix longer than the pool's hit, found in the pool and the second tier together:
+    per group, each entry a pool block (a hit), a key the tier holds (to load), or None
+    (out of the window). ``num_tokens``: what it covers."""
+
+    tables: tuple[tuple[KVBlock | BlockHash | None, ...], ...]
+    num_tokens: int
+
+    @property
+    def num_loads(self) -> int:
+        return sum(1 for t in self.tables for e in t if isinstance(e, bytes))
 
 
 def _one_group() -> KVLayout:
@@ -39,10 +55,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         layout: KVLayout | None = None,
         roles_apart: bool = False,
+        tier: OffloadingManager | None = None,
     ):
         """``roles_apart``: the model computes prompt tokens differently from generated ones
         (``Model.prompt_tiles``), so a block holding generated tokens is keyed apart: a later
-        prompt with the same tokens computes them as a prompt, never reads that block."""
+        prompt with the same tokens computes them as a prompt, never reads that block.
+        ``tier``: a second KV tier (``offload.py``) that full blocks are stored to as they are
+        cached and that a prefix missing from the pool is loaded from (None: none)."""
         self.block_size = block_size
         self.roles_apart = roles_apart
         self.layout = layout or _one_group()
@@ -65,6 +84,17 @@ class KVCacheManager:
         self.tenant_prefix_hits: dict[str, int] = {}
         #: Blocks given back because they fell out of every window that reads them.
         self.num_window_freed = 0
+        #: The second tier (``NullTier``: none), whether loading from it beats recomputing,
+        #: blocks newly cached and not yet handed to it, loads not yet started, and the
+        #: blocks of requests loading (those of a request that ended while its load ran
+        #: stay held until the load is done: a thread is writing them).
+        self.tier: OffloadingManager = tier or NullTier()
+        self.tier_enabled = tier is not None and enable_prefix_caching
+        self.load_costs = LoadCosts()
+        self._stores: list[BlockRef] = []
+        self._load_orders: list[LoadOrder] = []
+        self._loads: dict[str, tuple[BlockRef, ...]] = {}
+        self._orphans: dict[str, list[KVBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -124,51 +154,91 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        hashes = self._prefix_hashes(request)
+        num = self._longest(hashes, lambda key: self.pool.lookup(key) is not None)
+        if num <= 0:
+            return [], 0
+        hit = [
+            [None if k is None else self.pool.lookup(k) for k in keys]
+            for keys in self._needed_keys(hashes, num)
+        ]
+        return hit, num * self.block_size
+
+    def tier_plan(self, request: Request, num_hit_tokens: int) -> TierPlan | None:
+        """The longest prefix the pool and the tier hold together, where it is longer than
+        the pool's hit of ``num_hit_tokens`` and loading beats recomputing (``LoadCosts``);
+        else None."""
+        if not self.tier_enabled or not self.load_costs.worth_loading(self.block_size):
+            return None
+        hashes = self._prefix_hashes(request)
+        tier = self.tier
+
+        def held(key: BlockHash) -> bool:
+            return self.pool.lookup(key) is not None or tier.contains(key)
+
+        num = self._longest(hashes, held)
+        if num * self.block_size <= num_hit_tokens:
+            return None
+        tables = tuple(
+            tuple(None if k is None else (self.pool.lookup(k) or k) for k in keys)
+            for keys in self._needed_keys(hashes, num)
+        )
+        return TierPlan(tables, num * self.block_size)
+
+    def _prefix_hashes(self, request: Request) -> list[BlockHash]:
+        """The keys of the full blocks a prefix hit may cover (all but the last token's)."""
         self.update_block_hashes(request)
-        bs = self.block_size
-        hashes = request.block_hashes[: (request.num_tokens - 1) // bs]
+        return request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+
+    def _longest(self, hashes: Sequence[BlockHash], held: Callable[[BlockHash], bool]) -> int:
+        """Base blocks of the longest prefix of ``hashes`` whose every needed block (each
+        global group's, each sliding group's last window) is ``held``; whole blocks of every
+        group (``KVLayout.reuse_span``)."""
         groups = self.layout.groups
         unit = self.layout.reuse_span  # a hit is whole blocks of every group
         num = len(hashes) - len(hashes) % unit
         for g, group in enumerate(groups):
             if group.window is None:
                 for i in range(num // group.span):
-                    if self.pool.lookup(self._group_key(hashes, g, i)) is None:
+                    if not held(self._group_key(hashes, g, i)):
                         num = i * group.span - (i * group.span) % unit
                         break
-        # Sliding groups: the longest prefix whose last window is cached in each.
+        # Sliding groups: the longest prefix whose last window is held in each.
         while num > 0 and not all(
-            self._window_cached(hashes, g, group, num)
+            self._window_held(hashes, g, group, num, held)
             for g, group in enumerate(groups)
             if group.window is not None
         ):
             num -= unit
-        if num <= 0:
-            return [], 0
-        hit: list[list[KVBlock | None]] = []
-        for g, group in enumerate(groups):
-            gbs = bs * group.span
-            first = group.first_needed_block(num * bs, gbs)
-            table: list[KVBlock | None] = [None] * first
-            table += [
-                self.pool.lookup(self._group_key(hashes, g, i))
-                for i in range(first, num // group.span)
-            ]
-            hit.append(table)
-        return hit, num * bs
+        return max(num, 0)
+
+    def _needed_keys(self, hashes: Sequence[BlockHash], num: int) -> list[list[BlockHash | None]]:
+        """Per group, the keys of the blocks a prefix of ``num`` base blocks needs (None
+        before a sliding group's window)."""
+        out: list[list[BlockHash | None]] = []
+        for g, group in enumerate(self.layout.groups):
+            first = group.first_needed_block(num * self.block_size, self.block_size * group.span)
+            keys: list[BlockHash | None] = [None] * first
+            keys += [self._group_key(hashes, g, i) for i in range(first, num // group.span)]
+            out.append(keys)
+        return out
 
     def _group_key(self, hashes: Sequence[BlockHash], g: int, i: int) -> BlockHash:
         """Block ``i`` of group ``g``: keyed by the hash of its last base block (which covers
         every token before it)."""
         return self._key(hashes[(i + 1) * self.layout.groups[g].span - 1], g)
 
-    def _window_cached(self, hashes: Sequence[BlockHash], g: int, group: KVGroup, num: int) -> bool:
+    def _window_held(
+        self,
+        hashes: Sequence[BlockHash],
+        g: int,
+        group: KVGroup,
+        num: int,
+        held: Callable[[BlockHash], bool],
+    ) -> bool:
         gbs = self.block_size * group.span
         first = group.first_needed_block(num * self.block_size, gbs)
-        return all(
-            self.pool.lookup(self._group_key(hashes, g, i)) is not None
-            for i in range(first, num // group.span)
-        )
+        return all(held(self._group_key(hashes, g, i)) for i in range(first, num // group.span))
 
     def record_prefix_lookup(self, tenant: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not every retry while it waits for blocks)."""
@@ -296,8 +366,11 @@ class KVCacheManager:
             start = self._num_cached[rid][g]
             for i in range(start, min(num_full, len(table))):
                 block = table[i]
-                if block is not None:
-                    self.pool.cache(block, self._group_key(request.block_hashes, g, i))
+                if block is not None and block.block_hash is None:
+                    key = self._group_key(request.block_hashes, g, i)
+                    self.pool.cache(block, key)
+                    if self.tier_enabled and block.block_hash is not None:
+                        self._stores.append(BlockRef(key, block.block_id, g))
             self._num_cached[rid][g] = max(start, min(num_full, len(table)))
 
     def trim(self, request: Request) -> int:
@@ -349,19 +422,93 @@ class KVCacheManager:
         """Return every block of a request to the pool (finish, abort or preemption).
 
         Tail blocks are released first so that they are evicted first: the head of a prefix
-        is the part most likely to be shared again.
+        is the part most likely to be shared again. A request whose load from the tier is
+        running keeps its blocks held (uncounted to its tenant) until ``finish_load``.
         """
-        tables = self.req_blocks.pop(request.request_id, None)
-        self._num_cached.pop(request.request_id, None)
-        self._num_dropped.pop(request.request_id, None)
-        self._num_held.pop(request.request_id, None)
+        rid = request.request_id
+        tables = self.req_blocks.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        self._num_dropped.pop(rid, None)
+        self._num_held.pop(rid, None)
         if not tables:
             return
         longest = max(len(t) for t in tables)
         order = [t[i] for i in reversed(range(longest)) for t in tables if i < len(t)]
         blocks = [b for b in order if b is not None]
-        self.pool.release(blocks)
         self._uncount(request.tenant, len(blocks))
+        if self._loads.pop(rid, None) is not None:
+            self._orphans[rid] = blocks
+            return
+        self.pool.release(blocks)
+
+    # ------------------------------------------------------------------ the second tier
+    def start_load(self, request: Request, plan: TierPlan) -> bool:
+        """Give a request that holds no blocks the blocks of ``plan``: its pool hits, and
+        fresh blocks for what the tier holds, to be loaded (``take_loads``). False,
+        changing nothing, when the pool cannot supply them. The request computes nothing
+        until ``finish_load``."""
+        rid = request.request_id
+        assert rid not in self.req_blocks, "a loading request holds no blocks yet"
+        hits = [e for t in plan.tables for e in t if isinstance(e, KVBlock)]
+        num_hits_now_free = sum(1 for b in hits if b.ref_count == 0)
+        if plan.num_loads + num_hits_now_free > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(hits)  # before allocating: a free hit must not be evicted for a load
+        fresh = iter(self.pool.allocate(plan.num_loads))
+        tables: list[Table] = []
+        refs: list[BlockRef] = []
+        for g, entries in enumerate(plan.tables):
+            table: Table = []
+            for e in entries:
+                if isinstance(e, bytes):
+                    block = next(fresh)
+                    refs.append(BlockRef(e, block.block_id, g))
+                    table.append(block)
+                else:
+                    table.append(e)
+            tables.append(table)
+        self.req_blocks[rid] = tables
+        self._num_cached[rid] = [0] * len(tables)
+        self._num_dropped[rid] = [sum(1 for b in t if b is None) for t in tables]
+        added = len(hits) + plan.num_loads
+        self._num_held[rid] = added
+        request.peak_kv_blocks = max(request.peak_kv_blocks, added)
+        self.tenant_blocks[request.tenant] = self.tenant_blocks.get(request.tenant, 0) + added
+        self._loads[rid] = tuple(refs)
+        self._load_orders.append(LoadOrder(rid, tuple(refs)))
+        return True
+
+    def finish_load(self, request: Request | None, request_id: str, ok: bool) -> None:
+        """A load is done (``ok``: every block read and checked). Its blocks join the prefix
+        cache (``ok``) and go back to the pool's free queue: the request, requeued, finds
+        them there. A request that ended meanwhile (``request`` None) gives them back."""
+        orphaned = self._orphans.pop(request_id, None)
+        if orphaned is not None:
+            self.pool.release(orphaned)
+            return
+        refs = self._loads.pop(request_id, None)
+        if request is None or refs is None:
+            return
+        if ok:
+            for ref in refs:
+                self.pool.cache(self.pool.blocks[ref.block_id], ref.key)
+        self.free(request)
+
+    @property
+    def num_loading(self) -> int:
+        """Loads not yet finished, of live requests and of ended ones."""
+        return len(self._loads) + len(self._orphans)
+
+    def take_loads(self) -> list[LoadOrder]:
+        """Loads to start (the engine hands them to its ``TierIO``)."""
+        out, self._load_orders = self._load_orders, []
+        return out
+
+    def take_stores(self) -> list[BlockRef]:
+        """Blocks cached since the last call, for the tier: their KV must be copied before
+        the next step (until then no block can be reused)."""
+        out, self._stores = self._stores, []
+        return out
 
     def _uncount(self, tenant: str, n: int) -> None:
         left = self.tenant_blocks.get(tenant, 0) - n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -9,10 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kvgate
 from kvgate.config import EngineConfig, available_memory_bytes, parse_memory
 from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.disk_tier import DiskTier
+from kvgate.engine.disk_tier import default_dir as default_tier_dir
 from kvgate.engine.drafter import NgramDrafter
 from kvgate.engine.kv_cache import KVCacheManager
+from kvgate.engine.kv_transfer import BlockCopier, TierIO, block_axis, tier_format
+from kvgate.engine.lineage import VERSIONED_SETTINGS, weights_digest
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy
@@ -51,6 +57,9 @@ from kvgate.structured.compiler import GrammarCompiler
 from kvgate.tokenizer import Tokenizer
 
 log = logging.getLogger("kvgate.engine")
+
+#: How long a step with nothing but loads from the KV tier in flight waits for one to end.
+_LOAD_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -232,16 +241,19 @@ class LLMEngine:
             self.device,
         )
         if kv_caches and self.model.attention.native_layout(*kv_caches[0]) is None:
-            # Whole native decode layers write and read only caches laid out for them
-            # (quantized rows are not yet): the per-op path runs.
+            # Whole native decode layers write and read only caches laid out for them (bf16
+            # rows, or int8/fp8 rows with scales; not a cast to another float dtype, not
+            # latent or compressed pages): elsewhere the per-op path runs.
             self.build_info["decode"] = "per-op"
         log.info("kernels: %s", ", ".join(f"{op}={path}" for op, path in self.build_info.items()))
+        tier = self._open_tier()
         self.kv_cache = KVCacheManager(
             self.kv_pool.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             layout=self.kv_layout,
             roles_apart=self.model.prompt_tiles,
+            tier=tier,
         )
         spec = config.speculative_config()
         #: Drafts for speculative decoding (``--speculative``); None: no request speculates.
@@ -275,6 +287,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, kv_caches, config.block_size, grammars=self.grammars, layout=self.kv_layout
         )
+        #: Moves blocks between the pool and the second KV tier (None: no tier).
+        self.tier_io: TierIO | None = None
+        if tier is not None:
+            axis = block_axis(lambda n: attention.kv_cache_shape(n, config.block_size))
+            groups = [g for g, _ in self.kv_layout.layer_slots(self.model_config.num_layers)]
+            copier = BlockCopier(kv_caches, groups, axis)
+            self.tier_io = TierIO(tier, copier, self.kv_cache.load_costs)
         self._outputs: dict[str, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
         self.num_steps = 0
@@ -297,6 +316,44 @@ class LLMEngine:
                 param="max_model_len",
             )
         return asked
+
+    def _open_tier(self) -> DiskTier | None:
+        """The second KV tier ``kv_tier`` names, in a folder named by this engine's KV format
+        (``kv_transfer.tier_format``): blocks another model, KV dtype or weights version
+        wrote are never found."""
+        config = self.config
+        if config.kv_tier == "none":
+            return None
+        if self.kv_layout.specs:
+            raise InvalidConfig(
+                "kv_tier disk does not serve compressed KV (DeepSeek-V4) yet", param="kv_tier"
+            )
+        weights, _ = weights_digest(str(self.source))
+        settings = {k: getattr(config, k) for k in VERSIONED_SETTINGS if k != "max_model_len"}
+        fmt = tier_format(
+            {
+                "weights_sha256": weights,
+                "model_config": dataclasses.asdict(self.model_config),
+                "engine": settings,
+                "kv_layout": repr(self.kv_layout),
+                "kv_dtype": str(self.model.attention.kv_dtype),
+                "backend": self.attention_backend,
+                "kernels": self.build_info,
+                "kvgate": kvgate.__version__,
+            }
+        )
+        root = config.kv_tier_dir or default_tier_dir()
+        tier = DiskTier(root, fmt, parse_memory(config.kv_tier_size, 1))
+        log.info(
+            "KV tier: disk, %s, up to %.2f GiB (%d blocks there now)",
+            tier.dir, tier.capacity_bytes / 2**30, tier.state().num_blocks,
+        )  # fmt: skip
+        return tier
+
+    def close(self) -> None:
+        """Write what the KV tier has pending (a clean shutdown keeps every cached block)."""
+        if self.tier_io is not None:
+            self.tier_io.close()
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks one request of ``num_tokens`` tokens holds at most (every group's)."""
@@ -414,7 +471,16 @@ class LLMEngine:
         stats = IterationStats()
         for request in self.scheduler.expire():
             self._aborted.append(self._final_output(request))
+        io = self.tier_io
+        if io is not None:
+            # Nothing else to run: wait for a load rather than spin through empty steps.
+            idle = not self.scheduler.running and not len(self.scheduler.waiting)
+            for done in io.poll(_LOAD_WAIT_S if idle and self.scheduler.loading else 0.0):
+                self.scheduler.load_done(done.request_id, done.ok)
         sched = self.scheduler.schedule()
+        if io is not None:
+            for order in self.kv_cache.take_loads():
+                io.load(order)
         for request in sched.refused:
             self._aborted.append(self._final_output(request))
         self.last_batch_size = stats.batch_size = len(sched.sequences)
@@ -484,6 +550,8 @@ class LLMEngine:
             outputs = self._fail_step(sched, step.error, stats)
         else:
             touched = self.scheduler.update(sched, runner_out)
+            if self.tier_io is not None:  # before any step can reuse a block just cached
+                self.tier_io.store(self.kv_cache.take_stores())
             self.num_steps += 1
             for seq in sched.sequences:
                 if seq.num_draft:
@@ -502,6 +570,9 @@ class LLMEngine:
         self.publish()
         for listener in self.listeners:
             listener.on_step(stats)
+        if self.tier_io is not None and stats.phase == "prefill" and not step.urgent_ran:
+            # What recomputing a token of prefix costs, against loading it from the tier.
+            self.kv_cache.load_costs.observe_prefill(sched.num_batched_tokens, stats.step_seconds)
         if self.drafter is not None and stats.phase == "decode" and not step.urgent_ran:
             # What a decode step of this many rows costs (drafts are verified only where
             # their rows pay: ``NgramDrafter.worth``); a step an urgent prefill ran inside

@@ -114,6 +114,7 @@ class EngineLoop:
                 # than spin; requests may still expire, so do not wait for ever.
                 wait = None if idle else (_STALL_WAIT_S if stalled else 0.0)
                 if not self._drain_commands(wait):
+                    self._close_engine()
                     self.sink.dead(RuntimeError("engine shut down"), shutdown=True)
                     return
                 if not self.engine.has_unfinished():
@@ -129,6 +130,13 @@ class EngineLoop:
         except BaseException as exc:  # a bug in the loop itself: fail every stream, loudly
             log.exception("engine loop died")
             self.sink.dead(exc)
+
+    def _close_engine(self) -> None:
+        """A clean shutdown: the engine writes what it has pending (its KV tier)."""
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _recover(self, exc: Exception) -> None:
         """An unexpected error in a step: end every request in flight with an error event,

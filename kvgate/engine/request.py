@@ -89,6 +89,9 @@ class Request:
         #: Prompt tokens served from the prefix cache the first time this request was scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        #: Its prefix was loaded from the second KV tier since it was last admitted (or the
+        #: load failed): the next admission recomputes what the pool lost meanwhile.
+        self.tier_tried = False
         #: Most KV blocks the request held at once (its memory footprint, for the profile).
         self.peak_kv_blocks = 0
         #: KV blocks held times seconds, summed over the steps it held them (usage records).

@@ -96,6 +96,9 @@ class Scheduler:
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
+        #: Requests whose prefix is being loaded from the second KV tier (off the queue,
+        #: holding blocks, computing nothing until ``load_done``).
+        self.loading: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()
         self.num_preemptions = 0
@@ -143,7 +146,7 @@ class Scheduler:
                 continue  # already finished: aborting twice is harmless
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.loading.pop(rid, None) is None:
                 self.queue.remove(request)
             self._end(request, status)
             ended.append(request)
@@ -180,6 +183,16 @@ class Scheduler:
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_since_last_step.add(request.request_id)
+
+    def load_done(self, request_id: str, ok: bool) -> None:
+        """A load from the second tier finished (``ok``: every block checked and read): the
+        request goes back to the head of its queue and finds its prefix in the pool; a
+        failed load is recomputed. A request that ended meanwhile gives its blocks back."""
+        request = self.loading.pop(request_id, None)
+        self.kv_cache.finish_load(request, request_id, ok)
+        if request is not None:
+            request.tier_tried = True  # once: if the pool lost the blocks again, recompute
+            self.queue.requeue(request)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
@@ -310,6 +323,8 @@ class Scheduler:
         """
         kv = self.kv_cache
         hits, num_hit_tokens = kv.get_computed_blocks(candidate)
+        if not step.urgent and not step.grew and self._load(candidate, num_hit_tokens):
+            return True
         num_new = candidate.num_tokens - num_hit_tokens
         # In a step set aside for it, a prompt of up to twice the budget goes whole, as in an
         # urgent step: it ends with the first token, where a chunk would leave the rest to the
@@ -353,6 +368,23 @@ class Scheduler:
             step.blocked.add(candidate.tenant)  # at its ceiling: other tenants may still go
         else:
             return False  # the pool is full: later requests wait their turn
+        return True
+
+    def _load(self, candidate: Request, num_hit_tokens: int) -> bool:
+        """Start loading the part of ``candidate``'s prefix that the second tier holds and the
+        pool does not, where that beats recomputing it and the blocks are free and within
+        its tenant's ceiling (else it is recomputed as usual). True: it is loading."""
+        kv = self.kv_cache
+        if candidate.tier_tried or not kv.tier_enabled:
+            return False
+        plan = kv.tier_plan(candidate, num_hit_tokens)
+        if plan is None:
+            return False
+        extra = sum(1 for t in plan.tables for e in t if e is not None)
+        if self._need_of(candidate, extra) is not None or not kv.start_load(candidate, plan):
+            return False
+        self.queue.remove(candidate)
+        self.loading[candidate.request_id] = candidate
         return True
 
     def _victim(
@@ -440,6 +472,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.tier_tried = False  # its blocks may be swapped back in from the tier
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.queue.requeue(request)

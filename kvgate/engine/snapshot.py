@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from kvgate.engine.offload import TierState
+
 if TYPE_CHECKING:
     from kvgate.engine.llm_engine import LLMEngine
 
@@ -66,6 +68,9 @@ class EngineSnapshot:
     #: KV bytes the running requests' blocks hold per token of their context: what a token
     #: really costs with sliding windows and compressed entries (0: nothing running).
     kv_held_bytes_per_token: float = 0.0
+    #: The second KV tier's figures (None: no tier), and requests loading from it.
+    kv_tier: TierState | None = None
+    kv_loading: int = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled for the front end when the engine runs in a process of its own: the
@@ -87,7 +92,8 @@ class EngineSnapshot:
         sched, kv, ledger = engine.scheduler, engine.kv_cache, engine.ledger
         pool = kv.pool
         running: Counter[str] = Counter(r.tenant for r in sched.running)
-        waiting: Counter[str] = Counter(r.tenant for r in sched.waiting)
+        # A request loading its prefix from the KV tier waits: it computes nothing yet.
+        waiting: Counter[str] = Counter(r.tenant for r in (*sched.waiting, *sched.loading.values()))
         finished: dict[str, dict[str, int]] = {}
         for (tenant, reason), n in ledger.finished.items():
             finished.setdefault(tenant, {})[reason] = n
@@ -115,7 +121,7 @@ class EngineSnapshot:
             added=sched.num_added,
             finished=sched.num_finished,
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=len(sched.waiting) + len(sched.loading),
             running_spare=len(sched.spare),
             kv_blocks=pool.num_blocks,
             kv_used=pool.num_used_blocks,
@@ -134,6 +140,8 @@ class EngineSnapshot:
             kv_held_bytes_per_token=kv.held_bytes_per_token(
                 sched.running, engine.kv_pool.bytes // max(pool.num_blocks, 1)
             ),
+            kv_tier=kv.tier.state() if kv.tier_enabled else None,
+            kv_loading=len(sched.loading),
         )
 
 

@@ -22,6 +22,7 @@ from kvgate.config import (
     DEFAULT_MODEL,
     GGUF_BLOCKS,
     KV_CACHE_DTYPES,
+    KV_TIERS,
     SPECULATIVE_METHODS,
     EngineConfig,
     available_memory_bytes,
@@ -90,6 +91,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         "--kv-cache-memory",
         default="1GiB",
         help="KV pool size, e.g. 2GiB, or a fraction of available memory (0.2)",
+    )
+    g.add_argument(
+        "--kv-tier",
+        default="none",
+        choices=list(KV_TIERS),
+        help="a second KV tier: disk keeps every full block the pool caches in files (also "
+        "across restarts), and a prefix the pool lost is loaded back instead of recomputed",
+    )
+    g.add_argument("--kv-tier-size", default="4GiB", help="the disk tier's size limit, e.g. 8GiB")
+    g.add_argument(
+        "--kv-tier-dir",
+        default=None,
+        help="the disk tier's folder (default: kv-tier in --data-dir, else in "
+        "$KVGATE_DATA_DIR or ~/.local/share/kvgate)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
@@ -166,6 +181,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         gguf_blocks=a.gguf_blocks,
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_memory=kv,
+        kv_tier=a.kv_tier,
+        kv_tier_size=a.kv_tier_size,
+        kv_tier_dir=a.kv_tier_dir
+        or (os.path.join(a.data_dir, "kv-tier") if getattr(a, "data_dir", None) else None),
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -402,7 +421,8 @@ class ModelToServe:
 
 #: Engine settings a ``models`` entry of the config file may set for its model alone.
 _PER_MODEL = frozenset({
-    "dtype", "quantization", "gguf_blocks", "kv_cache_dtype", "max_model_len", "max_num_seqs",
+    "dtype", "quantization", "gguf_blocks", "kv_cache_dtype", "kv_tier", "kv_tier_size",
+    "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "num_spare_seqs", "block_size", "enable_prefix_caching",
     "native_kernels", "speculative", "num_speculative_tokens", "speculative_ngram_min",
     "speculative_ngram_max",

@@ -162,6 +162,8 @@ class EngineCollector(Collector):
                 "Reserved but unfilled KV slots over reserved slots (running requests).",
                 snap.kv_fragmentation,
             )
+            if snap.kv_tier is not None:
+                _tier_metrics(snap, gauge, counter)
             for reason, n in snap.preemptions_by_reason.items():
                 families["kvgate:preemptions"].add_metric([*m, reason], n)
             for state, n in (
@@ -177,6 +179,51 @@ class EngineCollector(Collector):
                     ("state",),
                 )
         yield from families.values()
+
+
+def _tier_metrics(
+    snap: EngineSnapshot,
+    gauge: Callable[[str, str, float], None],
+    counter: Callable[[str, str, float], None],
+) -> None:
+    """The second KV tier's figures (``--kv-tier``)."""
+    tier = snap.kv_tier
+    assert tier is not None
+    c = tier.counters
+    gauge("kvgate:kv_tier_used_bytes", "Bytes the KV tier's files take.", tier.used_bytes)
+    gauge("kvgate:kv_tier_capacity_bytes", "The KV tier's size limit.", tier.capacity_bytes)
+    gauge("kvgate:kv_tier_blocks", "KV blocks held in the tier.", tier.num_blocks)
+    gauge(
+        "kvgate:kv_tier_requests_loading",
+        "Requests waiting for their prefix to load from the KV tier.",
+        snap.kv_loading,
+    )
+    for name, doc, value in (
+        ("loads", "Prefixes loaded from the KV tier (one per request admitted).", c.loads),
+        ("loaded_blocks", "KV blocks loaded from the tier back into the pool.", c.loaded_blocks),
+        ("failed_loads", "Loads that failed (a file gone or corrupt): recomputed.", c.failed_loads),
+        ("stored_blocks", "KV blocks written to the tier.", c.stored_blocks),
+        (
+            "dropped_stores",
+            "KV blocks not written to the tier (the writer behind, or the disk failed).",
+            c.dropped_stores,
+        ),
+        ("read_bytes", "Bytes read from the KV tier.", c.bytes_read),
+        ("written_bytes", "Bytes written to the KV tier.", c.bytes_written),
+        (
+            "load_seconds",
+            "Seconds loads took, from start to the last block read (divide by "
+            "kvgate:kv_tier_loads for the mean load latency).",
+            c.load_seconds,
+        ),
+        ("corrupt_files", "Tier files skipped as truncated or corrupt.", c.corrupt),
+        (
+            "evicted_blocks",
+            "KV blocks evicted from the tier (least recently used).",
+            c.evicted_blocks,
+        ),
+    ):
+        counter(f"kvgate:kv_tier_{name}", doc, value)
 
 
 class TenantCollector(Collector):

@@ -65,3 +65,60 @@ def test_no_client_salt_spells_a_role_boundary() -> None:
     assert hash_block_tokens(None, tokens, b"x") != generated
     assert hash_block_tokens(None, tokens, b"x" + (2).to_bytes(4, "little")) != generated
     assert hash_block_tokens(None, tokens, b"x", generated_from=3) != generated
+
+
+class _DictTier:
+    """A second tier of keys only (``offload.OffloadingManager``'s queries)."""
+
+    kind = "dict"
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.keys
+
+
+def test_tier_plan_joins_pool_hits_and_tier_blocks_and_loads_hold_blocks() -> None:
+    tier = _DictTier()
+    kv = KVCacheManager(num_blocks=16, block_size=4, tier=tier)  # type: ignore[arg-type]
+    first = Request("a", list(range(30)), SamplingParams(), tenant="t")
+    assert kv.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    kv.commit(first)
+    stored = kv.take_stores()
+    assert [ref.block_id for ref in stored] == [b.block_id for b in kv.req_blocks["a"][0][:7]]
+    tier.keys.update(ref.key for ref in stored)
+    kv.free(first)
+    # The pool lost the tail: blocks 3.. are evicted (their keys only in the tier now).
+    for block in kv.req_blocks.get("a", [[]])[0]:
+        assert block is None
+    pool = kv.pool
+    for ref in stored[3:]:
+        pool._uncache(pool.blocks[ref.block_id])
+    pool._num_free_cached -= len(stored) - 3
+    pool.check_invariants()
+    again = Request("b", list(range(30)), SamplingParams(), tenant="t")
+    _, tokens = kv.get_computed_blocks(again)
+    assert tokens == 12
+    plan = kv.tier_plan(again, tokens)
+    assert plan is not None and plan.num_tokens == 28 and plan.num_loads == 4
+    assert kv.start_load(again, plan)
+    (order,) = kv.take_loads()
+    assert [r.key for r in order.blocks] == [r.key for r in stored[3:7]]
+    assert kv.tenant_blocks == {"t": 7} and kv.num_loading == 1
+    # Ended while loading: its blocks stay held (a thread writes them), its tenant uncharged.
+    kv.free(again)
+    assert kv.tenant_blocks == {} and pool.num_used_blocks == 7
+    kv.finish_load(None, "b", ok=True)
+    assert pool.num_used_blocks == 0 and kv.num_loading == 0
+    pool.check_invariants()
+    # A load that completes registers its blocks: the next lookup hits them in the pool.
+    third = Request("c", list(range(30)), SamplingParams(), tenant="t")
+    plan = kv.tier_plan(third, kv.get_computed_blocks(third)[1])
+    assert plan is not None and kv.start_load(third, plan)
+    kv.take_loads()
+    kv.finish_load(third, "c", ok=True)
+    assert kv.get_computed_blocks(Request("d", list(range(30)), SamplingParams()))[1] == 28
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()

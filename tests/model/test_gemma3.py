@@ -211,3 +211,36 @@ def test_drafts_on_sliding_windows_change_no_token(tiny_gemma3: dict[str, Any]) 
     assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
     assert llm.engine.kv_cache.num_window_freed > 0
     assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+
+
+def test_kv_tier_restores_sliding_and_global_groups(
+    tiny_gemma3: dict[str, Any], tmp_path: Path
+) -> None:
+    """A prefix evicted from the pool comes back from the disk tier in both groups (every
+    global block, the sliding group's last window) and continues exactly as HF; so does a
+    new engine on the same tier (a restart)."""
+    prompts = tiny_gemma3["prompts"]
+    longer = prompts[3] + prompts[2]
+    expected = hf_greedy(tiny_gemma3["model"], [longer], max_new_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    settings: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory": "64MiB", "kv_tier": "disk",
+        "kv_tier_dir": str(tmp_path),
+    }  # fmt: skip
+    llm = LLM(str(tiny_gemma3["hf"]), **settings)
+    llm.engine.kv_cache.load_costs.worth_loading = lambda block_size: True  # type: ignore[method-assign]
+    _greedy(llm, [prompts[3]])
+    assert llm.engine.tier_io is not None
+    llm.engine.tier_io.flush()
+    llm.engine.kv_cache.pool.reset_prefix_cache()
+    out = llm.generate([longer], params)[0]
+    assert out.num_cached_tokens >= 96
+    assert list(out.token_ids) == expected[0]
+    assert llm.engine.kv_cache.tier.state().counters.loads == 1
+    llm.engine.close()
+    again = LLM(str(tiny_gemma3["hf"]), **settings)
+    again.engine.kv_cache.load_costs.worth_loading = lambda block_size: True  # type: ignore[method-assign]
+    out = again.generate([longer], params)[0]
+    assert out.num_cached_tokens >= 96
+    assert list(out.token_ids) == expected[0]
+    again.engine.close()
