@@ -160,6 +160,10 @@ class NativeKVLayout:
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    #: Rows quantized as ``kv_codec`` stores them ("int8", "fp8": ``head_dim`` bytes of
+    #: values, then a float32 scale per ``kv_groups`` of them); None: rows of ``dtype``.
+    codec: str | None = None
+    kv_groups: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -307,8 +311,10 @@ class TorchAttention:
         return paged_metadata(g, group, decodes, prefills, block_size, device)
 
     def native_layout(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> NativeKVLayout | None:
+        codec = self.codec
         if (
-            self.codec is not None
+            (codec is not None and not codec.scaled)
+            or self.v_in_k
             or k_cache.dim() != 4
             or k_cache.shape != v_cache.shape
             or k_cache.dtype != v_cache.dtype
@@ -317,7 +323,14 @@ class TorchAttention:
         ):
             return None
         hkv, num_blocks, block_size, d = k_cache.shape
-        return NativeKVLayout(hkv, num_blocks, block_size, d, k_cache.dtype)
+        if codec is None:
+            return NativeKVLayout(hkv, num_blocks, block_size, d, k_cache.dtype)
+        if d != codec.row_width(self.head_dim):
+            return None
+        groups = scale_groups(self.head_dim)
+        return NativeKVLayout(
+            hkv, num_blocks, block_size, self.head_dim, k_cache.dtype, codec.name, groups
+        )
 
     def write_kv(
         self,

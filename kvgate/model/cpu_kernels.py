@@ -235,6 +235,14 @@ class PagedDecodeKernel:
         """The paged decode kernel's address, for C code that calls it (``native_decode``)."""
         return fn_address(self._fns[dtype])
 
+    def decode_q8_address(self, dtype: torch.dtype) -> int:
+        """The quantized-row paged decode's address (``decode_quantized``'s kernel)."""
+        return fn_address(self._q8[dtype])
+
+    def fp8_table_address(self) -> int:
+        """The 256 e4m3 values as float32, the quantized decode's fp8 table."""
+        return int(self._fp8.data_ptr())
+
     #: Scratch limits compiled into the kernel (MAX_G, MAX_D, MAX_BS in paged_decode.c).
     MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
 

@@ -7,8 +7,10 @@ caches) and then runs layers with one call, on the same kernels in the same orde
 results are bit-identical to the per-op path (tested), only the calls' cost goes.
 
 It applies to bf16 models whose every linear, attention and element-wise op has a native
-kernel (``NativeDecode.build`` returns None otherwise: the one fallback rule again), and to
-steps with no prefill in them; anything else takes the per-op path.
+kernel (``NativeDecode.build`` returns None otherwise: the one fallback rule again), with
+K/V stored as bf16 or as int8/fp8 rows (``kv_codec``: written by the fused RoPE + KV write's
+encoder, read in place by the quantized paged decode), and to steps with no prefill in them;
+anything else takes the per-op path.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class _Model(ctypes.Structure):
         ("hq", _I), ("hkv", _I), ("d", _I), ("hidden", _I), ("inter", _I),
         ("num_blocks", _I), ("block_size", _I),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("kv_groups", _I), ("fp8", _P), ("rope_q8", _P), ("attend_q8", _P),
     ]  # fmt: skip
 
 
@@ -109,6 +112,7 @@ class NativeDecode:
             ew["silu_mul"], ops.rope.cos.data_ptr(), ops.rope.sin_signed.data_ptr(),
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size,
             0, 0, c.rms_norm_eps, c.head_dim**-0.5,
+            0, None, ew["rope_write_kv_q8"], attention.decode_q8_address(torch.bfloat16),
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
         for slot, (calls, post_norm, next_norm) in zip(self._layers, layers, strict=True):
@@ -175,6 +179,9 @@ class NativeDecode:
         )
         if first is not None:
             m.num_blocks, m.block_size = first.num_blocks, first.block_size
+            # Quantized rows: the q8 write and decode, with the fp8 value table for fp8.
+            m.kv_groups = first.kv_groups if first.codec is not None else 0
+            m.fp8 = self._attention.fp8_table_address() if first.codec == "fp8" else None
         for slot, (k, v) in zip(self._layers, kv_caches, strict=True):
             slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
         self._caches = kv_caches

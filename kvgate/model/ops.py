@@ -131,6 +131,10 @@ class FusedCpuLayerOps:
         self._rope = lib.rope_write_kv_bf16
         self._rope.restype = None
         self._rope.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64]
+        # The same, writing K/V as quantized rows (``kv_codec``: int8 or fp8 with scales).
+        self._rope_q8 = lib.rope_write_kv_q8
+        self._rope_q8.restype = None
+        self._rope_q8.argtypes = [*self._rope.argtypes, ctypes.c_int, ctypes.c_int]
         self._add_norm = lib.add_rms_norm_bf16
         self._add_norm.restype = ctypes.c_int
         self._add_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -142,6 +146,7 @@ class FusedCpuLayerOps:
         """Each kernel's address, for C code that calls them (``native_decode``)."""
         return {
             "rope_write_kv": fn_address(self._rope),
+            "rope_write_kv_q8": fn_address(self._rope_q8),
             "add_norm": fn_address(self._add_norm),
             "silu_mul": fn_address(self._silu_mul),
         }
@@ -175,21 +180,33 @@ class FusedCpuLayerOps:
         assert layout is not None
         q = torch.empty((t, hq, d), dtype=qkv.dtype)
         k = torch.empty((t, hkv, d), dtype=qkv.dtype)
-        self._rope(
+        args = (
             _ptr(qkv), _ptr(positions), _ptr(self.rope.cos), _ptr(self.rope.sin_signed),
             _ptr(meta.slot_mapping), _ptr(q), _ptr(k), _ptr(k_cache), _ptr(v_cache),
             t, hq, hkv, d, layout.num_slots,
         )  # fmt: skip
+        if layout.codec is None:
+            self._rope(*args)
+        else:
+            self._rope_q8(*args, layout.kv_groups, layout.codec == "fp8")
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         return q, k, v
 
     def writes(self, layout: NativeKVLayout | None) -> bool:
-        """Whether the fused kernel may write caches of this layout (bf16 rows of the
-        model's KV heads; the kernel writes slot s of head h at ``h * num_slots + s``)."""
+        """Whether the fused kernel may write caches of this layout (rows of the model's KV
+        heads, bf16 or int8/fp8 with scales, for a bf16 model; the kernel writes slot s of
+        head h at ``h * num_slots + s``)."""
+        if layout is None or (layout.num_kv_heads, layout.head_dim) != (
+            self.num_kv_heads,
+            self.head_dim,
+        ):
+            return False
+        if layout.codec is None:
+            return layout.dtype == torch.bfloat16
         return (
-            layout is not None
-            and layout.dtype == torch.bfloat16
-            and (layout.num_kv_heads, layout.head_dim) == (self.num_kv_heads, self.head_dim)
+            layout.codec in ("int8", "fp8")
+            and layout.dtype == torch.uint8
+            and self.rope.cos.dtype == torch.bfloat16
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

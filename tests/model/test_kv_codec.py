@@ -5,6 +5,7 @@ more tokens in the same bytes."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.entrypoints.llm import LLM
 from kvgate.errors import InvalidConfig
 from kvgate.model.attention import AttentionMetadata, TorchAttention
+from kvgate.model.cpu_kernels import load_fused_ops_lib
 from kvgate.model.kv_codec import KVCodec, codec_for
+from tests.model.isa import vector_levels
 from tests.model.steps import one_prefill
 
 CPU = torch.device("cpu")
@@ -129,6 +132,8 @@ def test_the_same_prompt_scheduled_otherwise_gives_the_same_tokens(
 
 
 def test_the_pool_holds_more_tokens_in_the_same_bytes(tiny_llama_dir: Path) -> None:
+    decode: dict[str, str] = {}
+
     def tokens(kv: str) -> int:
         engine = LLMEngine(
             EngineConfig(
@@ -138,11 +143,12 @@ def test_the_pool_holds_more_tokens_in_the_same_bytes(tiny_llama_dir: Path) -> N
                 kv_cache_memory="8MiB",
             )
         )
-        if kv == "int8":  # the whole native decode layers do not read quantized rows yet
-            assert engine.build_info["decode"] == "per-op"
+        decode[kv] = engine.build_info["decode"]
         return engine.kv_pool.num_tokens
 
     bf16, int8 = tokens("auto"), tokens("int8")
+    # The whole native decode layers read quantized rows as they read bf16 ones.
+    assert decode["int8"] == decode["auto"]
     head_dim = 16  # the tiny Llama's: a row is 16 bytes and one 4-byte scale, against 32
     assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
 
@@ -165,3 +171,50 @@ def test_a_preempted_and_recomputed_prompt_reads_the_same_rows(tiny_llama_dir: P
     assert small.engine.kv_pool.num_blocks == 14
     assert _greedy(small, prompts, 24) == want
     assert small.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("level", vector_levels())
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_fused_rope_write_encodes_rows_bit_identical_to_the_codec(level: str, name: str) -> None:
+    """The fused RoPE + KV write (``rope_write_kv_q8``) stores what ``KVCodec.encode`` would,
+    byte for byte, on every vector level: a prompt's rows are the same whichever path wrote
+    them. Rows with zeros, a negative zero, outliers, tiny values (fp8's subnormals) and
+    ties."""
+    lib = load_fused_ops_lib(level)
+    if lib is None:
+        pytest.skip(f"no fused ops at {level} (no vector path or no compiler)")
+    t, hq, hkv, d = 37, 4, 2, 64
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g) * torch.rand(t, 1, generator=g) * 8
+    qkv[0] = 0.0
+    qkv[1, :d] = -0.0
+    qkv[2, hq * d + 3] = 500.0  # an outlier in a key
+    qkv[3] = torch.linspace(-1e-3, 1e-3, qkv.shape[1])  # tiny beside ...
+    qkv[3, hq * d] = qkv[3, (hq + hkv) * d + 40] = 100.0  # ... an outlier: fp8 subnormals
+    qkv[4, hq * d : hq * d + 32] = torch.arange(32) * 0.5  # exact halves: ties
+    qkv = qkv.to(torch.bfloat16)
+    positions = torch.zeros(t, dtype=torch.int64)
+    cos = torch.ones(1, d, dtype=torch.bfloat16)  # position 0: the rotation is the identity
+    sin = torch.zeros(1, d, dtype=torch.bfloat16)
+    n_slots = 64
+    slots = torch.randperm(n_slots, generator=g)[:t].contiguous()
+    codec = KVCodec(name, torch.bfloat16)
+    width = codec.row_width(d)
+    k_cache = torch.zeros(hkv, n_slots, width, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    q_out = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    k_out = torch.empty(t, hkv, d, dtype=torch.bfloat16)
+    fn = lib.lib.rope_write_kv_q8
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int]
+    fn(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+        q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        t, hq, hkv, d, n_slots, d // 32, name == "fp8",
+    )  # fmt: skip
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+    assert torch.equal(k_out, k)
+    assert torch.equal(k_cache[:, slots], codec.encode(k).transpose(0, 1))
+    assert torch.equal(v_cache[:, slots], codec.encode(v).transpose(0, 1))

@@ -28,11 +28,11 @@ def forced_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     cpu_isa.default_level.cache_clear()
 
 
-def _engine(model_dir: Path, quantization: str | None) -> LLMEngine:
+def _engine(model_dir: Path, quantization: str | None, kv: str = "auto") -> LLMEngine:
     eng = LLMEngine(
         EngineConfig(
             model=str(model_dir), dtype="bfloat16", quantization=quantization,
-            kv_cache_memory="32MiB", max_model_len=512, block_size=16,
+            kv_cache_memory="32MiB", max_model_len=512, block_size=16, kv_cache_dtype=kv,
         )
     )  # fmt: skip
     # A fresh checkpoint's norms are all ones: make each differ, so a norm used in the wrong
@@ -72,13 +72,18 @@ def _run(
 
 
 @pytest.mark.parametrize("forced_level", vector_levels(), indirect=True)
-@pytest.mark.parametrize("quantization", [None, "int8", "int8-b32"])
+@pytest.mark.parametrize(
+    ("quantization", "kv"),
+    [(None, "auto"), ("int8", "auto"), ("int8-b32", "auto"), (None, "int8"), (None, "fp8")],
+)
 def test_native_decode_layers_equal_the_per_op_path(
-    forced_level: str, quantization: str | None, tiny_llama_dir: Path
+    forced_level: str, quantization: str | None, kv: str, tiny_llama_dir: Path
 ) -> None:
+    """Also with K/V stored as int8 or fp8 rows: the layers write them with the fused
+    encoder and read them in place, as the per-op path's kernels do."""
     if forced_level == "generic":
         pytest.skip("no vector path on this CPU: decode runs per op on PyTorch")
-    native_eng = _engine(tiny_llama_dir, quantization)
+    native_eng = _engine(tiny_llama_dir, quantization, kv)
     native = native_eng.model.native_decode
     if native is None:
         pytest.skip("kernels unavailable (no C compiler)")
@@ -89,7 +94,7 @@ def test_native_decode_layers_equal_the_per_op_path(
     native.run = lambda step, l0, l1: (calls.append((l0, l1)), run(step, l0, l1))[1]  # type: ignore[method-assign]
     between: list[int] = []  # the pauses, where the engine loop looks for urgent work
 
-    per_op_eng = _engine(tiny_llama_dir, quantization)
+    per_op_eng = _engine(tiny_llama_dir, quantization, kv)
     per_op_eng.model.native_decode = None
 
     got_h: list[torch.Tensor] = []

@@ -31,6 +31,14 @@ typedef void (*rope_fn)(const uint16_t* qkv, const int64_t* positions, const uin
 typedef int (*attend_fn)(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                          const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
                          int Hkv, int G, int D, int64_t N, int BS, int max_blocks, float scale);
+typedef void (*rope_q8_fn)(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
+                           const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
+                           uint16_t* k_out, uint8_t* k_cache, uint8_t* v_cache, int T, int Hq,
+                           int Hkv, int D, int64_t num_slots, int NG, int fp8);
+typedef int (*attend_q8_fn)(const uint16_t* q, const uint8_t* kc, const uint8_t* vc,
+                            const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
+                            int Hkv, int G, int D, int64_t N, int BS, int max_blocks,
+                            float scale, int NG, const float* fp8);
 typedef int (*add_norm_fn)(const uint16_t* x, uint16_t* residual, const uint16_t* weight,
                            uint16_t* out, int T, int H, float eps);
 typedef void (*silu_mul_fn)(const uint16_t* gate_up, uint16_t* out, int T, int I);
@@ -48,8 +56,8 @@ typedef struct {
     kvg_linear qkv, o, gate_up, down;
     const uint16_t* post_norm;
     const uint16_t* next_norm;
-    uint16_t* k_cache;   /* head-major [Hkv, N, BS, D] */
-    uint16_t* v_cache;
+    void* k_cache;   /* head-major [Hkv, N, BS, D] bf16, or [Hkv, N, BS, D + 4 NG] bytes */
+    void* v_cache;
 } kvg_layer;
 
 typedef struct {
@@ -61,6 +69,12 @@ typedef struct {
     const uint16_t* sin_signed;  /* [P, D] */
     int32_t hq, hkv, d, hidden, inter, num_blocks, block_size;
     float eps, scale;
+    /* Quantized K/V rows (kv_codec.py): scales a row (0: bf16 rows, rope and attend above),
+     * the fp8 value table (NULL: int8), and the kernels that write and read them. */
+    int32_t kv_groups;
+    const float* fp8;
+    void* rope_q8;
+    void* attend_q8;
 } kvg_model;
 
 typedef struct {
@@ -108,12 +122,23 @@ int kvg_decode_layers(const kvg_model* m, const kvg_layer* layers, int l0, int l
     for (int i = l0; i < l1; ++i) {
         const kvg_layer* L = &layers[i];
         if (linear(&L->qkv, s->h, qkv, T)) return -1;
-        ((rope_fn)m->rope)(qkv, s->positions, m->cos, m->sin_signed, s->slots, q, k, L->k_cache,
-                           L->v_cache, T, m->hq, m->hkv, m->d, num_slots);
-        if (((attend_fn)m->attend)(q, L->k_cache, L->v_cache, s->tables, s->lens, attn, T, m->hkv,
-                                   m->hq / m->hkv, m->d, m->num_blocks, m->block_size,
-                                   s->max_blocks, m->scale))
-            return -2;
+        if (m->kv_groups) {
+            ((rope_q8_fn)m->rope_q8)(qkv, s->positions, m->cos, m->sin_signed, s->slots, q, k,
+                                     L->k_cache, L->v_cache, T, m->hq, m->hkv, m->d, num_slots,
+                                     m->kv_groups, m->fp8 != 0);
+            if (((attend_q8_fn)m->attend_q8)(q, L->k_cache, L->v_cache, s->tables, s->lens, attn,
+                                             T, m->hkv, m->hq / m->hkv, m->d, m->num_blocks,
+                                             m->block_size, s->max_blocks, m->scale,
+                                             m->kv_groups, m->fp8))
+                return -2;
+        } else {
+            ((rope_fn)m->rope)(qkv, s->positions, m->cos, m->sin_signed, s->slots, q, k,
+                               L->k_cache, L->v_cache, T, m->hq, m->hkv, m->d, num_slots);
+            if (((attend_fn)m->attend)(q, L->k_cache, L->v_cache, s->tables, s->lens, attn, T,
+                                       m->hkv, m->hq / m->hkv, m->d, m->num_blocks,
+                                       m->block_size, s->max_blocks, m->scale))
+                return -2;
+        }
         if (linear(&L->o, attn, out, T)) return -3;
         if (((add_norm_fn)m->add_norm)(out, s->residual, L->post_norm, s->h, T, H, m->eps))
             return -4;

@@ -179,17 +179,66 @@ static inline void rotate_heads(const uint16_t* x, const uint16_t* cos,
         rotate(x + h * D, cos, sin_signed, h < Hq ? q + h * D : k + (h - Hq) * D, D);
 }
 
+/* Quantized K/V rows (kv_codec.py): D bytes of int8 or fp8 (e4m3) values, then NG float32
+ * scales, one per D / NG values (the group's largest magnitude over 127 or 448; 1 for an
+ * all-zero group), row stride D + 4 NG bytes. Bit-identical to KVCodec.encode (tested): the
+ * same float32 divisions (this file has no fast-math), round half to even, clamp. */
+
+/* A float in [-448, 448] to e4m3fn, rounded to nearest even: 3 mantissa bits, exponent bias
+ * 7, subnormals below 2^-6 in steps of 2^-9; 0x7e (448) is the largest code (0x7f is NaN). */
+static inline uint8_t f32_to_e4m3(float f) {
+    const uint8_t sign = signbit(f) ? 0x80 : 0;
+    const float a = fabsf(f);
+    if (!(a < 480.f)) return sign | (isnan(f) ? 0x7f : 0x7e);
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f); /* 8: 2^-6, code 0x08 */
+    int e;
+    const float m = frexpf(a, &e); /* a = m 2^e, m in [0.5, 1) */
+    int q = (int)nearbyintf(m * 16.f);
+    if (q == 16) q = 8, e += 1;
+    const int code = ((e + 6) << 3) | (q - 8);
+    return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
+}
+
+static void encode_row_q8(const uint16_t* x, uint8_t* out, int D, int NG, int fp8) {
+    const int gs = D / NG;
+    const float top = fp8 ? 448.f : 127.f;
+    for (int g = 0; g < NG; ++g) {
+        const uint16_t* xs = x + g * gs;
+        float amax = 0.f;
+        for (int d = 0; d < gs; ++d) {
+            const float a = fabsf(ld(xs[d]));
+            if (a > amax) amax = a;
+        }
+        float sc = amax / top;
+        if (!(sc > 0.f)) sc = 1.f;
+        uint8_t* o = out + g * gs;
+        for (int d = 0; d < gs; ++d) {
+            float v = ld(xs[d]) / sc;
+            if (fp8) {
+                o[d] = f32_to_e4m3(v < -448.f ? -448.f : v > 448.f ? 448.f : v);
+            } else {
+                v = nearbyintf(v);
+                o[d] = (uint8_t)(int8_t)(v < -127.f ? -127.f : v > 127.f ? 127.f : v);
+            }
+        }
+        memcpy(out + D + 4 * g, &sc, 4);
+    }
+}
+
 /* qkv [T, (Hq + 2 Hkv) D] -> q_out [T, Hq, D], k_out [T, Hkv, D] rotated; rotated K and V
- * written to the head-major caches [Hkv, N * BS, D] at slots[t]. cos/sin tables [P, D].
+ * written to the head-major caches at slots[t]: rows of D bf16 ([Hkv, N * BS, D], NG = 0),
+ * or quantized rows of D + 4 NG bytes (encode_row_q8). cos/sin tables [P, D].
  * Threads split tokens, one per ROPE_PER_THREAD rotated elements (SmolLM2: 12 heads of 64,
  * 768 a token, about 1 us on one AVX2 core): 2 threads from 16 tokens on. */
 #define ROPE_PER_THREAD 6144
-void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
-                        const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
-                        uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int T, int Hq,
-                        int Hkv, int D, int64_t num_slots) {
+static void rope_write_rows(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
+                            const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
+                            uint16_t* k_out, void* k_cache, void* v_cache, int T, int Hq,
+                            int Hkv, int D, int64_t num_slots, int NG, int fp8) {
     const int64_t row = (int64_t)(Hq + 2 * Hkv) * D;
-    const int nt = threads_for((int64_t)T * (Hq + Hkv) * D, ROPE_PER_THREAD);
+    const int64_t width = NG ? D + 4 * NG : 2 * D; /* bytes a cache row */
+    const int64_t work = (int64_t)T * (Hq + (NG ? 3 : 1) * Hkv) * D;
+    const int nt = threads_for(work, ROPE_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int t = 0; t < T; ++t) {
         const uint16_t* x = qkv + t * row;
@@ -197,11 +246,36 @@ void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uin
         rotate_heads(x, cos + positions[t] * D, sin_signed + positions[t] * D,
                      q_out + (int64_t)t * Hq * D, k, Hq, Hkv, D);
         for (int h = 0; h < Hkv; ++h) {
-            const int64_t at = ((int64_t)h * num_slots + slots[t]) * D;
-            memcpy(k_cache + at, k + h * D, (size_t)D * 2);
-            memcpy(v_cache + at, x + (Hq + Hkv + h) * D, (size_t)D * 2);
+            uint8_t* kr = (uint8_t*)k_cache + ((int64_t)h * num_slots + slots[t]) * width;
+            uint8_t* vr = (uint8_t*)v_cache + ((int64_t)h * num_slots + slots[t]) * width;
+            const uint16_t* v = x + (Hq + Hkv + h) * D;
+            if (NG) {
+                encode_row_q8(k + h * D, kr, D, NG, fp8);
+                encode_row_q8(v, vr, D, NG, fp8);
+            } else {
+                memcpy(kr, k + h * D, (size_t)D * 2);
+                memcpy(vr, v, (size_t)D * 2);
+            }
         }
     }
+}
+
+void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
+                        const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
+                        uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int T, int Hq,
+                        int Hkv, int D, int64_t num_slots) {
+    rope_write_rows(qkv, positions, cos, sin_signed, slots, q_out, k_out, k_cache, v_cache, T,
+                    Hq, Hkv, D, num_slots, 0, 0);
+}
+
+/* The same, K and V encoded as they are written (int8, or fp8 with fp8 != 0). */
+void rope_write_kv_q8(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
+                      const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
+                      uint16_t* k_out, uint8_t* k_cache, uint8_t* v_cache, int T, int Hq,
+                      int Hkv, int D, int64_t num_slots, int NG, int fp8) {
+    if (NG < 1) return;
+    rope_write_rows(qkv, positions, cos, sin_signed, slots, q_out, k_out, k_cache, v_cache, T,
+                    Hq, Hkv, D, num_slots, NG, fp8);
 }
 
 /* SLEEF's expf_u10 (PyTorch's vectorised exp): x = q ln2 + s with q = round(x / ln2) and ln2

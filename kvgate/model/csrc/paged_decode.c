@@ -166,7 +166,7 @@ int NAME(const T* q, const uint8_t* kc, const uint8_t* vc, const int64_t* tables
     return 0;                                                                                  \
 }
 
-DEFINE_DECODE_Q8(paged_decode_q8_bf16, uint16_t, bf16_to_f32, f32_to_bf16, 1)
+DEFINE_DECODE_Q8(paged_decode_q8_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16, 1)
 DEFINE_DECODE_Q8(paged_decode_q8_f32, float, LOAD_F32, STORE_F32, 0)
 
 #ifdef KVGATE_AVX512BF16
@@ -207,11 +207,39 @@ static inline __m512 sum16x16(const __m512 v[16]) {
  *    probabilities before their P.V matmul. The unpack scrambles dimensions inside 128-bit
  *    lanes; the accumulators are put back in order once, at the end.
  * Needs D % 32 == 0. */
+/* Quantized rows (kv_codec.py; NG scales a row, one per 32 values) of a block decoded to
+ * bf16, 16 values at a time: values x their scale, rounded to nearest even: what
+ * KVCodec.decode gives a bf16 model, and what the generic path computes. fp8 codes go
+ * through the table of their 256 values. */
+static inline void q8_block_to_bf16(const uint8_t* src, uint16_t* dst, int n, int D, int NG,
+                                    const float* fp8) {
+    const int row = D + 4 * NG;
+    for (int t = 0; t < n; ++t) {
+        const uint8_t* r = src + (int64_t)t * row;
+        for (int d = 0; d < D; d += 16) {
+            float sc;
+            memcpy(&sc, r + D + 4 * (d / 32), 4);
+            const __m128i b = _mm_loadu_si128((const __m128i*)(r + d));
+            const __m512 v = fp8 ? _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), fp8, 4)
+                                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            _mm256_storeu_si256((__m256i*)(dst + (int64_t)t * D + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(sc))));
+        }
+    }
+}
+
+/* kc / vc: bf16 rows [Hkv, N, BS, D]; or, with NG > 0, quantized rows [Hkv, N, BS, D + 4 NG]
+ * bytes (kq / vq), each block decoded to bf16 in a scratch first (1 byte a value read from
+ * the pool, then the same arithmetic as bf16 rows). */
 static inline __attribute__((always_inline)) void decode_item_avx512(
     const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
     const int64_t* lens, uint16_t* out, int item, int Hkv, const int G, const int C32,
-    int64_t N, int BS, int max_blocks, float scale) {
+    int64_t N, int BS, int max_blocks, float scale, const uint8_t* kq, const uint8_t* vq,
+    int NG, const float* fp8) {
     const int D = 32 * C32;
+    /* bytes a cache row, and a block's decoded rows */
+    const int64_t row_bytes = NG ? D + 4 * NG : 2 * D;
+    uint16_t kscr[NG ? MAX_BS * MAX_D : 1], vscr[NG ? MAX_BS * MAX_D : 1];
     const int b = item / Hkv, h = item % Hkv;
     __m512bh qv[MAX_G][MAX_D / 32];
     /* acc_lo / acc_hi [g][c]: dims 32c + 8k + i (lo) and 32c + 8k + 4 + i (hi) in lane
@@ -232,20 +260,29 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
     const int64_t len = lens[b];
     for (int64_t start = 0; start < len; start += BS) {
         const int64_t blk = tables[(int64_t)b * max_blocks + start / BS];
-        const uint16_t* kblk = kc + (h * N + blk) * BS * D;
-        const uint16_t* vblk = vc + (h * N + blk) * BS * D;
+        const char* kbase = NG ? (const char*)kq : (const char*)kc;
+        const char* vbase = NG ? (const char*)vq : (const char*)vc;
         if (start + 2 * BS < len) {
             /* Blocks are scattered in the pool, so the hardware prefetcher cannot guess the
              * next one: ask for it now, while this block is being computed. */
             const int64_t nxt = tables[(int64_t)b * max_blocks + start / BS + 2];
-            const char* nk = (const char*)(kc + (h * N + nxt) * BS * D);
-            const char* nv = (const char*)(vc + (h * N + nxt) * BS * D);
-            for (int64_t off = 0; off < (int64_t)BS * D * 2; off += 64) {
+            const char* nk = kbase + (h * N + nxt) * BS * row_bytes;
+            const char* nv = vbase + (h * N + nxt) * BS * row_bytes;
+            for (int64_t off = 0; off < (int64_t)BS * row_bytes; off += 64) {
                 __builtin_prefetch(nk + off);
                 __builtin_prefetch(nv + off);
             }
         }
         const int in_block = (int)(len - start < BS ? len - start : BS);
+        const uint16_t* kblk = kc + (h * N + blk) * BS * D;
+        const uint16_t* vblk = vc + (h * N + blk) * BS * D;
+        if (NG) {
+            const int64_t at = (h * N + blk) * BS * row_bytes;
+            q8_block_to_bf16((const uint8_t*)kbase + at, kscr, in_block, D, NG, fp8);
+            q8_block_to_bf16((const uint8_t*)vbase + at, vscr, in_block, D, NG, fp8);
+            kblk = kscr;
+            vblk = vscr;
+        }
         for (int t0 = 0; t0 < in_block; t0 += 16) {
             const int n = in_block - t0 < 16 ? in_block - t0 : 16;
             const uint16_t* kp = kblk + (int64_t)t0 * D;
@@ -329,12 +366,15 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
  * the generic body indexes them by runtime G (SmolLM2's G = 3, D = 64 on a Zen 4, 32 sequences:
  * 1.24-1.45x by itself, alternated against the same source without it). Same operations in
  * the same order either way: the results are identical. */
-#define ITEM(G_, C_) \
-    decode_item_avx512(q, kc, vc, tables, lens, out, item, Hkv, G_, C_, N, BS, max_blocks, scale)
+#define ITEM(G_, C_)                                                                        \
+    decode_item_avx512(q, kc, vc, tables, lens, out, item, Hkv, G_, C_, N, BS, max_blocks,   \
+                       scale, kq, vq, NG, fp8)
+/* bf16 rows (kq = vq = NULL, NG = 0), or quantized ones (kc = vc = NULL). */
 static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                     const int64_t* tables, const int64_t* lens, uint16_t* out,
                                     int B, int Hkv, int G, int D, int64_t N, int BS,
-                                    int max_blocks, float scale) {
+                                    int max_blocks, float scale, const uint8_t* kq,
+                                    const uint8_t* vq, int NG, const float* fp8) {
     const int C32 = D / 32;
     const int shape = C32 == 2 || C32 == 4 || C32 == 8 ? G * 16 + C32 : 0;
     #pragma omp parallel for schedule(dynamic, 1)
@@ -536,12 +576,37 @@ AVX2_INLINE void pv_heads(__m256 (*acc)[MAX_D / 8], int g, int NH, const char* c
  * Rows past the end of a partial tile are never read: their row pointer repeats the tile's
  * last valid row and their scores are set to -inf (probability exactly 0). Needs D % 8 == 0.
  * One work item: sequence b, KV head h. */
+/* Quantized rows of a block decoded to bf16 (q8_block_to_bf16's AVX2 twin): values x their
+ * group's scale (one per 32 values), rounded to nearest even. */
+AVX2_INLINE void q8_block_to_bf16_avx2(const uint8_t* src, uint16_t* dst, int n, int D, int NG,
+                                       const float* fp8) {
+    const int row = D + 4 * NG;
+    for (int t = 0; t < n; ++t) {
+        const uint8_t* r = src + (int64_t)t * row;
+        for (int d = 0; d < D; d += 8) {
+            float sc;
+            memcpy(&sc, r + D + 4 * (d / 32), 4);
+            const __m128i b = _mm_loadl_epi64((const __m128i*)(r + d));
+            const __m256 v = fp8 ? _mm256_i32gather_ps(fp8, _mm256_cvtepu8_epi32(b), 4)
+                                 : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            bf16x8_store(dst + (int64_t)t * D + d, _mm256_mul_ps(v, _mm256_set1_ps(sc)));
+        }
+    }
+}
+
+/* kc / vc as the dtype flag says; or, with NG > 0 (bf16 only), quantized rows [Hkv, N, BS,
+ * D + 4 NG] bytes (kq / vq), each block decoded to bf16 in a scratch first. */
 AVX2_INLINE void decode_avx2_item(const void* q, const void* kc, const void* vc,
                                   const int64_t* tables, const int64_t* lens, void* out, int b,
                                   int h, int Hkv, int G, int D, int64_t N, int BS,
-                                  int max_blocks, float scale, const int bf16) {
+                                  int max_blocks, float scale, const int bf16,
+                                  const uint8_t* kq, const uint8_t* vq, int NG,
+                                  const float* fp8) {
     const int64_t es = bf16 ? 2 : 4;          /* bytes per element */
     const int64_t row = (int64_t)D * es;      /* bytes per K/V row */
+    const int64_t cache_row = NG ? D + 4 * NG : row; /* bytes per row in the pool */
+    uint16_t kscr[NG ? MAX_BS * MAX_D : 1], vscr[NG ? MAX_BS * MAX_D : 1];
+    if (NG) kc = kq, vc = vq;
     const int C = D / 16, last = D % 16 != 0; /* whole chunks; one more 8-dim vector */
     /* [g][j]: vector j of head g's row, in load_chunk's order (j = 2c, 2c + 1, then the
      * last 8 dims at j = 2C); q pre-scaled */
@@ -565,20 +630,26 @@ AVX2_INLINE void decode_avx2_item(const void* q, const void* kc, const void* vc,
     const int64_t len = lens[b];
     for (int64_t start = 0; start < len; start += BS) {
         const int64_t blk = tables[(int64_t)b * max_blocks + start / BS];
-        const char* kblk = (const char*)kc + (h * N + blk) * BS * row;
-        const char* vblk = (const char*)vc + (h * N + blk) * BS * row;
+        const char* kblk = (const char*)kc + (h * N + blk) * BS * cache_row;
+        const char* vblk = (const char*)vc + (h * N + blk) * BS * cache_row;
         if (start + 2 * BS < len) {
             /* Blocks are scattered in the pool, so the hardware prefetcher cannot guess the
              * next one: ask for the one after next now, as the AVX512 path does. */
             const int64_t nxt = tables[(int64_t)b * max_blocks + start / BS + 2];
-            const char* nk = (const char*)kc + (h * N + nxt) * BS * row;
-            const char* nv = (const char*)vc + (h * N + nxt) * BS * row;
-            for (int64_t off = 0; off < BS * row; off += 64) {
+            const char* nk = (const char*)kc + (h * N + nxt) * BS * cache_row;
+            const char* nv = (const char*)vc + (h * N + nxt) * BS * cache_row;
+            for (int64_t off = 0; off < BS * cache_row; off += 64) {
                 __builtin_prefetch(nk + off);
                 __builtin_prefetch(nv + off);
             }
         }
         const int in_block = (int)(len - start < BS ? len - start : BS);
+        if (NG) {
+            q8_block_to_bf16_avx2((const uint8_t*)kblk, kscr, in_block, D, NG, fp8);
+            q8_block_to_bf16_avx2((const uint8_t*)vblk, vscr, in_block, D, NG, fp8);
+            kblk = (const char*)kscr;
+            vblk = (const char*)vscr;
+        }
         for (int t0 = 0; t0 < in_block; t0 += 8) {
             const int n = in_block - t0 < 8 ? in_block - t0 : 8;
             const char* kr[8];
@@ -652,7 +723,17 @@ static void decode_avx2_bf16(const uint16_t* q, const uint16_t* kc, const uint16
     #pragma omp parallel for schedule(dynamic, 1)
     for (int item = 0; item < B * Hkv; ++item)
         decode_avx2_item(q, kc, vc, tables, lens, out, item / Hkv, item % Hkv, Hkv, G, D, N,
-                         BS, max_blocks, scale, 1);
+                         BS, max_blocks, scale, 1, NULL, NULL, 0, NULL);
+}
+
+static void decode_avx2_q8(const uint16_t* q, const uint8_t* kc, const uint8_t* vc,
+                           const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
+                           int Hkv, int G, int D, int64_t N, int BS, int max_blocks, float scale,
+                           int NG, const float* fp8) {
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < B * Hkv; ++item)
+        decode_avx2_item(q, NULL, NULL, tables, lens, out, item / Hkv, item % Hkv, Hkv, G, D,
+                         N, BS, max_blocks, scale, 1, kc, vc, NG, fp8);
 }
 
 static void decode_avx2_f32(const float* q, const float* kc, const float* vc,
@@ -662,7 +743,7 @@ static void decode_avx2_f32(const float* q, const float* kc, const float* vc,
     #pragma omp parallel for schedule(dynamic, 1)
     for (int item = 0; item < B * Hkv; ++item)
         decode_avx2_item(q, kc, vc, tables, lens, out, item / Hkv, item % Hkv, Hkv, G, D, N,
-                         BS, max_blocks, scale, 0);
+                         BS, max_blocks, scale, 0, NULL, NULL, 0, NULL);
 }
 #endif
 
@@ -769,7 +850,7 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 #ifdef KVGATE_AVX512BF16
     if (D % 32 == 0)
         return paged_decode_bf16_avx512(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
-                                        max_blocks, scale);
+                                        max_blocks, scale, NULL, NULL, 0, NULL);
 #endif
 #ifdef KVGATE_AVX2
     if (D % 8 == 0) {
@@ -779,6 +860,29 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 #endif
     return paged_decode_bf16_generic(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
                                      max_blocks, scale);
+}
+
+/* Quantized rows read by a bf16 model: AVX512-BF16, else AVX2, where D % 32 == 0 (a scale
+ * per 32 values), else the generic path. Each block's rows are decoded to bf16 in a scratch
+ * (what KVCodec.decode gives), then attended as bf16 rows are. */
+int paged_decode_q8_bf16(const uint16_t* q, const uint8_t* kc, const uint8_t* vc,
+                         const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
+                         int Hkv, int G, int D, int64_t N, int BS, int max_blocks, float scale,
+                         int NG, const float* fp8) {
+#ifdef KVGATE_AVX512BF16
+    if (G <= MAX_G && D <= MAX_D && BS <= MAX_BS && D % 32 == 0 && NG * 32 == D)
+        return paged_decode_bf16_avx512(q, NULL, NULL, tables, lens, out, B, Hkv, G, D, N, BS,
+                                        max_blocks, scale, kc, vc, NG, fp8);
+#endif
+#ifdef KVGATE_AVX2
+    if (G <= MAX_G && D <= MAX_D && BS <= MAX_BS && D % 32 == 0 && NG * 32 == D) {
+        decode_avx2_q8(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS, max_blocks, scale, NG,
+                       fp8);
+        return 0;
+    }
+#endif
+    return paged_decode_q8_bf16_generic(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
+                                        max_blocks, scale, NG, fp8);
 }
 
 /* float32: the AVX2 path in every vector build (there is no AVX-512 f32 path), else scalar. */
