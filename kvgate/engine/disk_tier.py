@@ -17,6 +17,7 @@ engine thread asks (``lookup``), the I/O threads read and write.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import struct
@@ -61,7 +62,7 @@ class DiskTier:
         self.fmt = fmt
         self.capacity_bytes = capacity_bytes
         private_dir(root, ours=False)
-        self.dir = private_dir(Path(root) / fmt.hex()[:32])
+        self.dir, self._lock_file = _claim(Path(root), fmt.hex()[:32])
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # key -> file bytes, LRU first
@@ -79,7 +80,7 @@ class DiskTier:
                     path.unlink()  # a write a crash interrupted
                 continue
             if not path.name.endswith(SUFFIX):
-                continue
+                continue  # the lock, or a stranger
             try:
                 key = bytes.fromhex(path.name[: -len(SUFFIX)])
                 st = path.stat()
@@ -96,6 +97,21 @@ class DiskTier:
                 self.dir, len(found), self._used / 2**20,
             )  # fmt: skip
         self._evict_to(self.capacity_bytes)
+        others = [p for p in self.dir.parent.iterdir() if p.is_dir() and p != self.dir]
+        if others:
+            size = sum(f.stat().st_size for p in others for f in p.glob(f"*{SUFFIX}"))
+            log.warning(
+                "KV tier: %d other folders in %s hold %.1f MiB of KV in other formats (other "
+                "models, KV dtypes, kvgate versions or replicas); --kv-tier-size does not "
+                "count them: remove those no server uses",
+                len(others), self.dir.parent, size / 2**20,
+            )  # fmt: skip
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """Mark loaded files used, on disk too: a restart orders its LRU by their times."""
+        for key in keys:
+            with contextlib.suppress(OSError):
+                os.utime(self.path(key))
 
     def path(self, key: BlockHash) -> Path:
         return self.dir / f"{key.hex()}{SUFFIX}"
@@ -219,9 +235,12 @@ class DiskTier:
                 header = f.read(_HEADER.size)
                 size = os.fstat(f.fileno()).st_size
                 got = f.readinto(out) if len(header) == _HEADER.size else 0
-        except OSError as exc:
-            log.warning("KV tier: %s unreadable (%s); recomputing", path, exc)
+        except FileNotFoundError:
+            log.warning("KV tier: %s is gone; recomputing its block", path)
             self._forget(key)
+            return False
+        except OSError as exc:  # maybe passing (EMFILE, EIO): fail the load, keep the file
+            log.warning("KV tier: %s unreadable (%s); recomputing its block", path, exc)
             return False
         why = self._check(header, size, got, key, out)
         if why is not None:
@@ -265,4 +284,23 @@ class DiskTier:
             return TierState(self.kind, self._used, self.capacity_bytes, len(self._index), c)
 
     def close(self) -> None:
-        pass
+        """Give the folder up (another engine may claim it)."""
+        with contextlib.suppress(OSError):
+            os.close(self._lock_file)
+
+
+def _claim(root: Path, name: str) -> tuple[Path, int]:
+    """The folder ``name`` under ``root``, locked for this process (an advisory ``flock`` on
+    its ``.lock``, released when the process ends): two engines of one format (replicas on
+    one host, or two servers) must not evict and overwrite each other's files, so a second
+    one takes ``name.1``, then ``name.2``... Returns the folder and the lock's descriptor."""
+    for n in range(64):
+        folder = private_dir(root / (name if n == 0 else f"{name}.{n}"))
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        return folder, fd
+    raise OSError(f"every KV tier folder of this format under {root} is in use")

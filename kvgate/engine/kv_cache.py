@@ -34,6 +34,9 @@ class TierPlan:
 
     tables: tuple[tuple[KVBlock | BlockHash | None, ...], ...]
     num_tokens: int
+    #: Some of the blocks to load are on their way for another request already: wait for
+    #: them (they will be pool hits) rather than load a second copy.
+    in_flight: bool = False
 
     @property
     def num_loads(self) -> int:
@@ -93,8 +96,10 @@ class KVCacheManager:
         self.load_costs = LoadCosts()
         self._stores: list[BlockRef] = []
         self._load_orders: list[LoadOrder] = []
-        self._loads: dict[str, tuple[BlockRef, ...]] = {}
-        self._orphans: dict[str, list[KVBlock]] = {}
+        self._loads: dict[str, LoadOrder] = {}  # request id -> its load in flight
+        self._orphans: dict[int, list[KVBlock]] = {}  # load id -> blocks of an ended request
+        self._inflight: dict[BlockHash, int] = {}  # key -> loads in flight writing it
+        self._next_load_id = 0
 
     @property
     def num_blocks(self) -> int:
@@ -168,7 +173,9 @@ class KVCacheManager:
         """The longest prefix the pool and the tier hold together, where it is longer than
         the pool's hit of ``num_hit_tokens`` and loading beats recomputing (``LoadCosts``);
         else None."""
-        if not self.tier_enabled or not self.load_costs.worth_loading(self.block_size):
+        if not self.tier_enabled:
+            return None
+        if not self.load_costs.decide(self.block_size / len(self.layout.groups)):
             return None
         hashes = self._prefix_hashes(request)
         tier = self.tier
@@ -183,7 +190,8 @@ class KVCacheManager:
             tuple(None if k is None else (self.pool.lookup(k) or k) for k in keys)
             for keys in self._needed_keys(hashes, num)
         )
-        return TierPlan(tables, num * self.block_size)
+        waits = any(isinstance(e, bytes) and e in self._inflight for t in tables for e in t)
+        return TierPlan(tables, num * self.block_size, waits)
 
     def _prefix_hashes(self, request: Request) -> list[BlockHash]:
         """The keys of the full blocks a prefix hit may cover (all but the last token's)."""
@@ -433,11 +441,12 @@ class KVCacheManager:
         if not tables:
             return
         longest = max(len(t) for t in tables)
-        order = [t[i] for i in reversed(range(longest)) for t in tables if i < len(t)]
-        blocks = [b for b in order if b is not None]
+        tail_first = [t[i] for i in reversed(range(longest)) for t in tables if i < len(t)]
+        blocks = [b for b in tail_first if b is not None]
         self._uncount(request.tenant, len(blocks))
-        if self._loads.pop(rid, None) is not None:
-            self._orphans[rid] = blocks
+        load = self._loads.pop(rid, None)
+        if load is not None:
+            self._orphans[load.load_id] = blocks
             return
         self.pool.release(blocks)
 
@@ -474,23 +483,39 @@ class KVCacheManager:
         self._num_held[rid] = added
         request.peak_kv_blocks = max(request.peak_kv_blocks, added)
         self.tenant_blocks[request.tenant] = self.tenant_blocks.get(request.tenant, 0) + added
-        self._loads[rid] = tuple(refs)
-        self._load_orders.append(LoadOrder(rid, tuple(refs)))
+        self._next_load_id += 1
+        order = LoadOrder(rid, tuple(refs), self._next_load_id)
+        self._loads[rid] = order
+        self._load_orders.append(order)
+        for ref in refs:
+            self._inflight[ref.key] = self._inflight.get(ref.key, 0) + 1
         return True
 
-    def finish_load(self, request: Request | None, request_id: str, ok: bool) -> None:
-        """A load is done (``ok``: every block read and checked). Its blocks join the prefix
-        cache (``ok``) and go back to the pool's free queue: the request, requeued, finds
-        them there. A request that ended meanwhile (``request`` None) gives them back."""
-        orphaned = self._orphans.pop(request_id, None)
+    def is_loading(self, request_id: str, load_id: int) -> bool:
+        """Whether ``load_id`` is the load in flight of the live request ``request_id``."""
+        order = self._loads.get(request_id)
+        return order is not None and order.load_id == load_id
+
+    def finish_load(self, request: Request | None, order: LoadOrder, ok: bool) -> None:
+        """``order`` is done (``ok``: every block read and checked). Its blocks join the
+        prefix cache (``ok``) and go back to the pool's free queue: the request, requeued,
+        finds them there. A request that ended meanwhile (``request`` None: its blocks were
+        orphaned) gives them back."""
+        for ref in order.blocks:
+            left = self._inflight.get(ref.key, 0) - 1
+            if left > 0:
+                self._inflight[ref.key] = left
+            else:
+                self._inflight.pop(ref.key, None)
+        orphaned = self._orphans.pop(order.load_id, None)
         if orphaned is not None:
             self.pool.release(orphaned)
             return
-        refs = self._loads.pop(request_id, None)
-        if request is None or refs is None:
+        if request is None or not self.is_loading(request.request_id, order.load_id):
             return
+        del self._loads[request.request_id]
         if ok:
-            for ref in refs:
+            for ref in order.blocks:
                 self.pool.cache(self.pool.blocks[ref.block_id], ref.key)
         self.free(request)
 
@@ -506,9 +531,16 @@ class KVCacheManager:
 
     def take_stores(self) -> list[BlockRef]:
         """Blocks cached since the last call, for the tier: their KV must be copied before
-        the next step (until then no block can be reused)."""
+        the next step (until then no block can be reused). Only blocks that still hold
+        their key: a block uncached since (the prefix cache reset after an engine error)
+        may hold another request's KV by now, and is never stored under the old key."""
         out, self._stores = self._stores, []
-        return out
+        blocks = self.pool.blocks
+        return [ref for ref in out if blocks[ref.block_id].block_hash == ref.key]
+
+    def drop_stores(self) -> None:
+        """Forget blocks not yet handed to the tier (their KV may be half written)."""
+        self._stores.clear()
 
     def _uncount(self, tenant: str, n: int) -> None:
         left = self.tenant_blocks.get(tenant, 0) - n

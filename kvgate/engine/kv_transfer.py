@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ TIER_FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class LoadDone:
-    request_id: str
+    order: LoadOrder
     ok: bool
     num_blocks: int
     #: Submit to done (what the request waited), and the reading alone (what a block costs).
@@ -57,6 +58,26 @@ def tier_format(described: dict[str, Any]) -> bytes:
     described = {**described, "tier_format": TIER_FORMAT_VERSION}
     blob = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).digest()
+
+
+def model_code_digest() -> str:
+    """sha256 over the source of everything that computes KV (``kvgate.model``: the models,
+    attention, RoPE, the kernels' C): kvgate's version string does not move with every fix,
+    and a tier must never serve KV that code before a fix computed."""
+    h = hashlib.sha256()
+    root = resources.files("kvgate.model")
+    stack = [root]
+    files = []
+    while stack:
+        for entry in stack.pop().iterdir():
+            if entry.is_dir():
+                stack.append(entry)
+            elif entry.name.endswith((".py", ".c", ".h")):
+                files.append(entry)
+    for entry in sorted(files, key=lambda e: str(e)):
+        h.update(entry.name.encode())
+        h.update(entry.read_bytes())
+    return h.hexdigest()
 
 
 def block_axis(shape: Callable[[int], tuple[int, ...]]) -> int:
@@ -141,18 +162,26 @@ class TierIO:
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._store_futures: set[Future[None]] = set()
+        self._write_failed_until = 0.0
         self.num_loading = 0
 
     # ------------------------------------------------------------------ loads
     def load(self, order: LoadOrder) -> None:
-        """Start loading ``order``'s blocks into the pool; ``poll`` reports it done."""
+        """Start loading ``order``'s blocks into the pool; ``poll`` reports it done (also
+        when it could not start: its blocks must come back)."""
         keys = [ref.key for ref in order.blocks]
         t0 = time.monotonic()
         if not self.tier.prepare_load(keys):  # evicted since the lookup
-            self._done.put(LoadDone(order.request_id, False, len(keys), 0.0, started=False))
+            self._done.put(LoadDone(order, False, len(keys), 0.0, started=False))
+            return
+        try:
+            self._loads.submit(self._load, order, keys, t0)
+        except Exception:  # shut down: nothing will write the blocks
+            log.exception("KV tier: a load could not start")
+            self.tier.complete_load(keys)
+            self._done.put(LoadDone(order, False, len(keys), 0.0, started=False))
             return
         self.num_loading += 1
-        self._loads.submit(self._load, order, keys, t0)
 
     def _load(self, order: LoadOrder, keys: list[BlockHash], t0: float) -> None:
         ok = True
@@ -168,13 +197,15 @@ class TierIO:
                     ok = False
                     break
                 self.copier.write(group, [r.block_id for r in refs], staging)
+            if ok:
+                self.tier.touch([ref.key for ref in order.blocks])
         except Exception:
             log.exception("KV tier: loading blocks for %s failed", order.request_id)
             ok = False
         finally:
             self.tier.complete_load(keys)
             end = time.monotonic()
-            self._done.put(LoadDone(order.request_id, ok, len(keys), end - t0, end - start))
+            self._done.put(LoadDone(order, ok, len(keys), end - t0, end - start))
 
     def poll(self, wait: float = 0.0) -> list[LoadDone]:
         """Loads finished since the last poll (engine thread), waiting up to ``wait`` seconds
@@ -196,10 +227,19 @@ class TierIO:
         return out
 
     # ------------------------------------------------------------------ stores
+    #: After a failed write (a full or read-only disk), seconds during which new stores are
+    #: dropped (counted) rather than copied and failing again, block after block.
+    WRITE_BACKOFF_S = 30.0
+
     def store(self, refs: Sequence[BlockRef]) -> int:
         """Copy ``refs``' blocks now (engine thread, before any can be reused) and write them
         in the background; those the tier holds or has on their way are skipped. Returns
         how many were taken."""
+        if not refs:
+            return 0
+        if time.monotonic() < self._write_failed_until:
+            self.tier.count(dropped_stores=len(refs))
+            return 0
         taken = 0
         by_group: dict[int, list[BlockRef]] = {}
         for ref in refs:
@@ -217,7 +257,11 @@ class TierIO:
                 self.tier.count(dropped_stores=len(late))
             if not fresh:
                 continue
-            rows = self.copier.read(group, [r.block_id for r in fresh]).numpy()
+            try:
+                rows = self.copier.read(group, [r.block_id for r in fresh]).numpy()
+            except Exception:
+                self.tier.complete_store([r.key for r in fresh], ok=False)
+                raise
             copies = [(r.key, rows[i].data) for i, r in enumerate(fresh)]
             with self._lock:
                 self._pending_bytes += nbytes * len(copies)
@@ -230,11 +274,22 @@ class TierIO:
 
     def _write(self, copies: list[tuple[BlockHash, memoryview]], nbytes: int) -> None:
         for key, payload in copies:
-            ok = self.tier.write(key, payload)
-            self.tier.complete_store([key], ok)
-            self.tier.count(**{"stored_blocks" if ok else "dropped_stores": 1})
-            with self._lock:
-                self._pending_bytes -= nbytes
+            ok = False
+            try:
+                ok = time.monotonic() >= self._write_failed_until and self.tier.write(key, payload)
+            except Exception:
+                log.exception("KV tier: writing a block failed")
+            finally:
+                self.tier.complete_store([key], ok)
+                self.tier.count(**{"stored_blocks" if ok else "dropped_stores": 1})
+                with self._lock:
+                    self._pending_bytes -= nbytes
+            if not ok and time.monotonic() >= self._write_failed_until:
+                self._write_failed_until = time.monotonic() + self.WRITE_BACKOFF_S
+                log.warning(
+                    "KV tier: a write failed; dropping new stores for %.0f s",
+                    self.WRITE_BACKOFF_S,
+                )
 
     def _forget_future(self, future: Future[None]) -> None:
         with self._lock:
@@ -252,3 +307,4 @@ class TierIO:
         self.flush()
         self._stores.shutdown(wait=True)
         self._loads.shutdown(wait=True)
+        self.tier.close()

@@ -17,7 +17,13 @@ from kvgate.engine.disk_tier import DiskTier
 from kvgate.engine.disk_tier import default_dir as default_tier_dir
 from kvgate.engine.drafter import NgramDrafter
 from kvgate.engine.kv_cache import KVCacheManager
-from kvgate.engine.kv_transfer import BlockCopier, TierIO, block_axis, tier_format
+from kvgate.engine.kv_transfer import (
+    BlockCopier,
+    TierIO,
+    block_axis,
+    model_code_digest,
+    tier_format,
+)
 from kvgate.engine.lineage import VERSIONED_SETTINGS, weights_digest
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
@@ -328,6 +334,8 @@ class LLMEngine:
             raise InvalidConfig(
                 "kv_tier disk does not serve compressed KV (DeepSeek-V4) yet", param="kv_tier"
             )
+        if self.device.type != "cpu":
+            raise InvalidConfig("kv_tier disk moves blocks of a CPU pool only", param="kv_tier")
         weights, _ = weights_digest(str(self.source))
         settings = {k: getattr(config, k) for k in VERSIONED_SETTINGS if k != "max_model_len"}
         fmt = tier_format(
@@ -340,6 +348,7 @@ class LLMEngine:
                 "backend": self.attention_backend,
                 "kernels": self.build_info,
                 "kvgate": kvgate.__version__,
+                "code": model_code_digest(),
             }
         )
         root = config.kv_tier_dir or default_tier_dir()
@@ -446,6 +455,7 @@ class LLMEngine:
         self._outputs.clear()
         self._aborted.clear()
         self.kv_cache.pool.reset_prefix_cache()
+        self.kv_cache.drop_stores()
         self.publish()
         return ended
 
@@ -476,7 +486,7 @@ class LLMEngine:
             # Nothing else to run: wait for a load rather than spin through empty steps.
             idle = not self.scheduler.running and not len(self.scheduler.waiting)
             for done in io.poll(_LOAD_WAIT_S if idle and self.scheduler.loading else 0.0):
-                self.scheduler.load_done(done.request_id, done.ok)
+                self.scheduler.load_done(done.order, done.ok)
         sched = self.scheduler.schedule()
         if io is not None:
             for order in self.kv_cache.take_loads():

@@ -33,6 +33,9 @@ class BlockRef:
 class LoadOrder:
     request_id: str
     blocks: tuple[BlockRef, ...]
+    #: Unique per load: a request id may come back (a new request after an aborted one)
+    #: while the old one's load is still running.
+    load_id: int = 0
 
 
 @dataclass
@@ -143,10 +146,15 @@ class LoadCosts:
     """
 
     ALPHA = 0.3
+    #: Once loading was judged slower, every this many plans one loads anyway, so a slow
+    #: first measurement (a cold page cache, a disk hiccup) does not turn the tier off for
+    #: good.
+    RETRY_EVERY = 16
 
     def __init__(self) -> None:
         self.load_s_per_block: float | None = None
         self.prefill_s_per_token: float | None = None
+        self._declined = 0
 
     def observe_load(self, num_blocks: int, seconds: float) -> None:
         if num_blocks > 0:
@@ -158,11 +166,23 @@ class LoadCosts:
                 self.prefill_s_per_token, seconds / num_tokens, self.ALPHA
             )
 
-    def worth_loading(self, block_size: int) -> bool:
-        """Pure query: load rather than recompute, per block of ``block_size`` tokens."""
+    def worth_loading(self, tokens_per_block: float) -> bool:
+        """Pure query: load rather than recompute, per block loaded holding the KV of
+        ``tokens_per_block`` tokens' worth of prefill (a base block's tokens over the KV
+        groups: recomputing a token fills every group at once)."""
         if self.load_s_per_block is None or self.prefill_s_per_token is None:
             return True
-        return self.load_s_per_block <= self.prefill_s_per_token * block_size
+        return self.load_s_per_block <= self.prefill_s_per_token * tokens_per_block
+
+    def decide(self, tokens_per_block: float) -> bool:
+        """``worth_loading``, but yes once every ``RETRY_EVERY`` refusals (to measure again)."""
+        if self.worth_loading(tokens_per_block):
+            return True
+        self._declined += 1
+        if self._declined >= self.RETRY_EVERY:
+            self._declined = 0
+            return True
+        return False
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:

@@ -28,6 +28,7 @@ from kvgate.engine.messages import (
     ScheduledSequence,
     SchedulerOutput,
 )
+from kvgate.engine.offload import LoadOrder
 from kvgate.engine.policy import FifoPolicy, Need, SchedulingPolicy, StepPlan, WaitingQueue
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.errors import GRAMMAR_FAILED
@@ -184,13 +185,18 @@ class Scheduler:
             self._sent_to_runner.discard(request.request_id)
             self._finished_since_last_step.add(request.request_id)
 
-    def load_done(self, request_id: str, ok: bool) -> None:
+    def load_done(self, order: LoadOrder, ok: bool) -> None:
         """A load from the second tier finished (``ok``: every block checked and read): the
         request goes back to the head of its queue and finds its prefix in the pool; a
-        failed load is recomputed. A request that ended meanwhile gives its blocks back."""
-        request = self.loading.pop(request_id, None)
-        self.kv_cache.finish_load(request, request_id, ok)
+        failed load is recomputed. A request that ended meanwhile gives its blocks back
+        (a new request of the same id is not this load's)."""
+        rid = order.request_id
+        request = self.loading.get(rid)
+        if request is not None and not self.kv_cache.is_loading(rid, order.load_id):
+            request = None
+        self.kv_cache.finish_load(request, order, ok)
         if request is not None:
+            del self.loading[rid]
             request.tier_tried = True  # once: if the pool lost the blocks again, recompute
             self.queue.requeue(request)
 
@@ -323,7 +329,7 @@ class Scheduler:
         """
         kv = self.kv_cache
         hits, num_hit_tokens = kv.get_computed_blocks(candidate)
-        if not step.urgent and not step.grew and self._load(candidate, num_hit_tokens):
+        if not step.urgent and not step.grew and self._load(step, candidate, num_hit_tokens):
             return True
         num_new = candidate.num_tokens - num_hit_tokens
         # In a step set aside for it, a prompt of up to twice the budget goes whole, as in an
@@ -370,17 +376,26 @@ class Scheduler:
             return False  # the pool is full: later requests wait their turn
         return True
 
-    def _load(self, candidate: Request, num_hit_tokens: int) -> bool:
+    def _load(self, step: _Draft, candidate: Request, num_hit_tokens: int) -> bool:
         """Start loading the part of ``candidate``'s prefix that the second tier holds and the
-        pool does not, where that beats recomputing it and the blocks are free and within
-        its tenant's ceiling (else it is recomputed as usual). True: it is loading."""
+        pool does not, where that beats recomputing it, within its tenant's ceiling, from
+        free blocks that leave one for each running sequence to grow into (a load takes its
+        whole prefix at once, where a prefill takes a chunk a step: it must not force
+        preemptions); else it is recomputed as usual. True: it is loading, or it waits for
+        its prefix that another request's load is bringing in (its tenant admits no more in
+        this step)."""
         kv = self.kv_cache
         if candidate.tier_tried or not kv.tier_enabled:
             return False
         plan = kv.tier_plan(candidate, num_hit_tokens)
         if plan is None:
             return False
+        if plan.in_flight:
+            step.blocked.add(candidate.tenant)
+            return True
         extra = sum(1 for t in plan.tables for e in t if e is not None)
+        if extra + len(self.running) > kv.pool.num_free_blocks:
+            return False
         if self._need_of(candidate, extra) is not None or not kv.start_load(candidate, plan):
             return False
         self.queue.remove(candidate)

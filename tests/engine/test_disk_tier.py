@@ -65,14 +65,30 @@ def test_a_restart_finds_the_blocks_of_its_own_format_only(tmp_path: Path) -> No
     tier = DiskTier(tmp_path, FMT, 10 * FILE)
     _store(tier, 1, 2)
     (tier.dir / "x.kvb.tmp").write_bytes(b"half a write")
+    tier.close()
     again = DiskTier(tmp_path, FMT, 10 * FILE)
+    assert again.dir == tier.dir
     assert again.lookup([_key(1), _key(2)]) == 2
     assert not (tier.dir / "x.kvb.tmp").exists()
     other = DiskTier(tmp_path, hashlib.sha256(b"another model").digest(), 10 * FILE)
     assert other.lookup([_key(1)]) == 0
+    again.close()
     # A smaller limit at restart evicts down to it.
     small = DiskTier(tmp_path, FMT, FILE)
     assert small.state().num_blocks == 1
+
+
+def test_two_engines_of_one_format_never_share_a_folder(tmp_path: Path) -> None:
+    """Replicas on one host: each claims its own folder (a lock), so none evicts or
+    overwrites another's files; a restart claims the first free one again."""
+    a = DiskTier(tmp_path, FMT, 10 * FILE)
+    b = DiskTier(tmp_path, FMT, 10 * FILE)
+    assert a.dir != b.dir and b.dir.name == a.dir.name + ".1"
+    _store(a, 1)
+    assert b.lookup([_key(1)]) == 0
+    a.close()
+    c = DiskTier(tmp_path, FMT, 10 * FILE)
+    assert c.dir == a.dir and c.lookup([_key(1)]) == 1
 
 
 @pytest.mark.parametrize(
@@ -124,6 +140,9 @@ def test_load_costs_choose_the_cheaper_path() -> None:
     for _ in range(20):
         costs.observe_load(10, 0.5)  # 50 ms a block: a slow disk
     assert not costs.worth_loading(16)
+    # Declined, but every RETRY_EVERY-th plan loads anyway, to measure again.
+    decisions = [costs.decide(16) for _ in range(2 * LoadCosts.RETRY_EVERY)]
+    assert decisions.count(True) == 2 and decisions[LoadCosts.RETRY_EVERY - 1]
     for _ in range(20):
         costs.observe_prefill(100, 1.0)  # 10 ms a token: a large model
-    assert costs.worth_loading(16)
+    assert costs.worth_loading(16) and costs.decide(16)

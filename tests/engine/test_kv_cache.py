@@ -105,20 +105,24 @@ def test_tier_plan_joins_pool_hits_and_tier_blocks_and_loads_hold_blocks() -> No
     assert plan is not None and plan.num_tokens == 28 and plan.num_loads == 4
     assert kv.start_load(again, plan)
     (order,) = kv.take_loads()
+    # Another request of the same prefix waits for this load instead of loading a copy.
+    twin = Request("twin", list(range(30)), SamplingParams(), tenant="t")
+    twin_plan = kv.tier_plan(twin, kv.get_computed_blocks(twin)[1])
+    assert twin_plan is not None and twin_plan.in_flight
     assert [r.key for r in order.blocks] == [r.key for r in stored[3:7]]
     assert kv.tenant_blocks == {"t": 7} and kv.num_loading == 1
     # Ended while loading: its blocks stay held (a thread writes them), its tenant uncharged.
     kv.free(again)
     assert kv.tenant_blocks == {} and pool.num_used_blocks == 7
-    kv.finish_load(None, "b", ok=True)
+    kv.finish_load(None, order, ok=True)
     assert pool.num_used_blocks == 0 and kv.num_loading == 0
     pool.check_invariants()
     # A load that completes registers its blocks: the next lookup hits them in the pool.
     third = Request("c", list(range(30)), SamplingParams(), tenant="t")
     plan = kv.tier_plan(third, kv.get_computed_blocks(third)[1])
-    assert plan is not None and kv.start_load(third, plan)
-    kv.take_loads()
-    kv.finish_load(third, "c", ok=True)
+    assert plan is not None and not plan.in_flight and kv.start_load(third, plan)
+    (order,) = kv.take_loads()
+    kv.finish_load(third, order, ok=True)
     assert kv.get_computed_blocks(Request("d", list(range(30)), SamplingParams()))[1] == 28
     assert pool.num_used_blocks == 0
     pool.check_invariants()

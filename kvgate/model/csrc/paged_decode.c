@@ -216,14 +216,17 @@ static inline void q8_block_to_bf16(const uint8_t* src, uint16_t* dst, int n, in
     const int row = D + 4 * NG;
     for (int t = 0; t < n; ++t) {
         const uint8_t* r = src + (int64_t)t * row;
-        for (int d = 0; d < D; d += 16) {
+        for (int g = 0; g < NG; ++g) { /* 32 values and their scale */
             float sc;
-            memcpy(&sc, r + D + 4 * (d / 32), 4);
-            const __m128i b = _mm_loadu_si128((const __m128i*)(r + d));
-            const __m512 v = fp8 ? _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), fp8, 4)
-                                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-            _mm256_storeu_si256((__m256i*)(dst + (int64_t)t * D + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(sc))));
+            memcpy(&sc, r + D + 4 * g, 4);
+            const __m512 s = _mm512_set1_ps(sc);
+            for (int d = 32 * g; d < 32 * g + 32; d += 16) {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(r + d));
+                const __m512 v = fp8 ? _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), fp8, 4)
+                                     : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+                _mm256_storeu_si256((__m256i*)(dst + (int64_t)t * D + d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, s)));
+            }
         }
     }
 }
@@ -583,13 +586,23 @@ AVX2_INLINE void q8_block_to_bf16_avx2(const uint8_t* src, uint16_t* dst, int n,
     const int row = D + 4 * NG;
     for (int t = 0; t < n; ++t) {
         const uint8_t* r = src + (int64_t)t * row;
-        for (int d = 0; d < D; d += 8) {
+        for (int g = 0; g < NG; ++g) { /* 32 values and their scale */
             float sc;
-            memcpy(&sc, r + D + 4 * (d / 32), 4);
-            const __m128i b = _mm_loadl_epi64((const __m128i*)(r + d));
-            const __m256 v = fp8 ? _mm256_i32gather_ps(fp8, _mm256_cvtepu8_epi32(b), 4)
-                                 : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-            bf16x8_store(dst + (int64_t)t * D + d, _mm256_mul_ps(v, _mm256_set1_ps(sc)));
+            memcpy(&sc, r + D + 4 * g, 4);
+            const __m256 s = _mm256_set1_ps(sc);
+            for (int d = 32 * g; d < 32 * g + 32; d += 16) {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(r + d));
+                __m256 lo, hi;
+                if (fp8) {
+                    lo = _mm256_i32gather_ps(fp8, _mm256_cvtepu8_epi32(b), 4);
+                    hi = _mm256_i32gather_ps(fp8, _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), 4);
+                } else {
+                    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+                }
+                bf16x16_store_avx2(dst + (int64_t)t * D + d, _mm256_mul_ps(lo, s),
+                                   _mm256_mul_ps(hi, s));
+            }
         }
     }
 }
