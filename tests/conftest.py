@@ -56,6 +56,14 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer) -> Path:
+    """A random-weight 2-layer Qwen2 with a Qwen2.5-like key bias (``build_tiny_qwen2``)."""
+    from tests.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), smollm2_tokenizer)
+
+
 def tiny_engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
     """Settings for an engine on the tiny random-weight checkpoint (float32, small pool)."""
     settings: dict[str, object] = {

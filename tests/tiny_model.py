@@ -62,3 +62,26 @@ def build_tiny_qwen3(directory: Path, tokenizer: Tokenizer, seed: int = 3) -> Pa
     tiny_qwen3(seed).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_hf(directory)
     return directory
+
+
+def build_tiny_qwen2(directory: Path, tokenizer: Tokenizer, seed: int = 5) -> Path:
+    """A random-weight Qwen2ForCausalLM of the tiny shape with q/k/v biases, the key bias
+    ~100x the keys on the channels RoPE hardly turns (as Qwen2.5's: ``kv_codec.key_offset``),
+    saved as an HF directory (fp32 safetensors) with ``tokenizer``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
+    d = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]  # 16
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+            heads = attn.k_proj.bias.view(-1, d)  # [Hkv, D]; channels d/2 - 1 and d - 1
+            heads[:, d // 2 - 1] = torch.tensor([150.0, -90.0])  # turn slowest: 0.65 rad
+            heads[:, d - 1] = torch.tensor([-120.0, 60.0])  # over 2048 positions
+    model.eval().save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_hf(directory)
+    return directory

@@ -225,12 +225,13 @@ class LLMEngine:
         self.kv_pool = self._size_kv_pool()
         log.info(
             "model ready in %.1f s; allocating the KV pool: %d blocks x %d tokens = %d tokens "
-            "(%.2f GiB)",
+            "(%.2f GiB, K/V stored as %s)",
             self.load_seconds,
             self.kv_pool.num_blocks,
             self.kv_pool.block_size,
             self.kv_pool.num_tokens,
             self.kv_pool.bytes / 2**30,
+            kv_dtype,
         )
         num_blocks, attention = self.kv_pool.num_blocks, self.model.attention
         kv_caches = allocate_kv_caches(

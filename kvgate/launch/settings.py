@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         choices=list(KV_CACHE_DTYPES),
         help="how K/V are stored: auto (default) as the model computes them; int8 or fp8 "
         "(e4m3) with a float32 scale per 32 values (per token and KV head), about 1.8x the "
-        "tokens in the same pool (fp8 does not hold on Qwen2.5); bfloat16 or float32 cast",
+        "tokens in the same pool (keys less a per-channel offset where the model has a key "
+        "bias: kv_codec.key_offset); bfloat16 or float32 cast",
     )
     g.add_argument(
         "--kv-cache-memory",

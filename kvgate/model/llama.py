@@ -27,10 +27,11 @@ from kvgate.model.decoder import (
     head_weights,
     per_layer,
 )
+from kvgate.model.kv_codec import KVCodec, key_offset
 from kvgate.model.linear import Linear, Weight
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
-from kvgate.model.rope import RotaryEmbedding
+from kvgate.model.rope import RotaryEmbedding, inverse_frequencies
 from kvgate.model.row_roles import RowRoles, apply
 
 
@@ -44,6 +45,8 @@ class LayerWeights:
     down: Linear  # I -> H
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head RMSNorm of q, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: the same for k
+    #: [Hkv, D] float32 that quantized keys are stored less (``kv_codec.key_offset``)
+    key_offset: torch.Tensor | None = None
 
 
 class LlamaModel(DecoderModel[LayerWeights]):
@@ -76,7 +79,7 @@ class LlamaModel(DecoderModel[LayerWeights]):
             return None
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         layers = [
-            ((w.qkv, w.o, w.gate_up, w.down), w.post_norm, next_norm)
+            ((w.qkv, w.o, w.gate_up, w.down), w.post_norm, next_norm, w.key_offset)
             for w, next_norm in zip(self.layers, next_norms, strict=True)
         ]
         return NativeDecode.build(self.config, layers, self.ops, self.attention, level)
@@ -99,7 +102,20 @@ class LlamaModel(DecoderModel[LayerWeights]):
             k_norm=self._norm(weights, p + "self_attn.k_norm.weight", (c.head_dim,))
             if c.qk_norm
             else None,
+            key_offset=self._key_offset(weights, p) if c.attention_bias else None,
         )
+
+    def _key_offset(self, weights: Mapping[str, Weight], p: str) -> torch.Tensor | None:
+        """Layer ``p``'s ``kv_codec.key_offset`` where its K/V are stored quantized."""
+        codec = getattr(self.attention, "codec", None)
+        if not isinstance(codec, KVCodec) or not codec.scaled:
+            return None
+        c = self.config
+        raw = weights[p + "self_attn.k_proj.bias"]  # shape checked (and counted) already
+        bias = raw if isinstance(raw, torch.Tensor) else raw.dequantize()
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        offset = key_offset(bias, inv_freq, c.max_position_embeddings)
+        return None if offset is None else offset.to(self.device)
 
     def _layer_linears(self, layer: LayerWeights) -> Iterator[Linear]:
         yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -146,7 +162,7 @@ class LlamaModel(DecoderModel[LayerWeights]):
             qkv = apply(roles, layer.qkv, h)
             if layer.q_norm is not None and layer.k_norm is not None:
                 self._norm_heads(qkv, layer.q_norm, layer.k_norm)
-            q, k, v = ops.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
+            q, k, v = ops.rope_write_kv(qkv, positions, k_cache, v_cache, meta, layer.key_offset)
             attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
             o = apply(roles, layer.o, attn.reshape(-1, self.q_size))
             h = ops.add_norm(o, residual, layer.post_norm, eps)

@@ -32,6 +32,10 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int32
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+#: A layer as the model gives it: (qkv, o, gate_up, down), post-attention norm, next norm,
+#: key offset (or None); and as described to C, its linears as kernel calls.
+Layer = tuple[Sequence[Linear], torch.Tensor, torch.Tensor, torch.Tensor | None]
+Described = tuple[Sequence[KernelCall], torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class _Linear(ctypes.Structure):
@@ -45,6 +49,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("post_norm", _P), ("next_norm", _P), ("k_cache", _P), ("v_cache", _P),
+        ("k_offset", _P),
     ]  # fmt: skip
 
 
@@ -89,8 +94,9 @@ def _as_struct(call: KernelCall) -> _Linear:
 class NativeDecode:
     """Runs decoder layers ``[l0, l1)`` of a decode-only step; see the module docstring.
 
-    ``layers``: per layer its four linears (qkv, o, gate_up, down), its post-attention norm
-    and the norm that follows it (the next layer's input norm, or the final norm).
+    ``layers``: per layer its four linears (qkv, o, gate_up, down), its post-attention norm,
+    the norm that follows it (the next layer's input norm, or the final norm) and what its
+    quantized keys are stored less (``kv_codec.key_offset``; None: nothing).
     """
 
     def __init__(
@@ -99,7 +105,7 @@ class NativeDecode:
         library: KernelLibrary,
         attention: PagedDecodeKernel,
         ops: FusedCpuLayerOps,
-        layers: Sequence[tuple[Sequence[KernelCall], torch.Tensor, torch.Tensor]],
+        layers: Sequence[Described],
     ) -> None:
         c = config
         self.isa = library.isa
@@ -115,10 +121,13 @@ class NativeDecode:
             0, None, ew["rope_write_kv_q8"], attention.decode_q8_address(torch.bfloat16),
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
-        for slot, (calls, post_norm, next_norm) in zip(self._layers, layers, strict=True):
+        for slot, (calls, post_norm, next_norm, key_offset) in zip(
+            self._layers, layers, strict=True
+        ):
             slot.qkv, slot.o, slot.gate_up, slot.down = (_as_struct(x) for x in calls)
             slot.post_norm = post_norm.data_ptr()
             slot.next_norm = next_norm.data_ptr()
+            slot.k_offset = None if key_offset is None else key_offset.data_ptr()
         self._caches: KVCaches | None = None
         self._cache_ok = False
         lib = library.lib
@@ -134,15 +143,16 @@ class NativeDecode:
     def build(
         cls,
         config: ModelConfig,
-        layers: Sequence[tuple[Sequence[Linear], torch.Tensor, torch.Tensor]],
+        layers: Sequence[Layer],
         ops: object,
         attention: object,
         level: str | None = None,
     ) -> NativeDecode | None:
         """None unless every op of a decode layer has a native bf16 kernel here.
 
-        ``layers``: per layer (qkv, o, gate_up, down), post-attention norm, next norm. The
-        caller (the model) keeps these alive as long as it uses what this returns."""
+        ``layers``: per layer (qkv, o, gate_up, down), post-attention norm, next norm, key
+        offset. The caller (the model) keeps these alive as long as it uses what this
+        returns."""
         if not isinstance(ops, FusedCpuLayerOps) or not isinstance(attention, TorchAttention):
             return None
         kernel = attention.decode_kernel
@@ -151,11 +161,12 @@ class NativeDecode:
         ):
             return None
         described = []
-        for linears, post_norm, next_norm in layers:
+        for linears, post_norm, next_norm, key_offset in layers:
             calls = [_kernel_call(x) for x in linears]
             if any(call is None for call in calls):
                 return None
-            described.append(([c for c in calls if c is not None], post_norm, next_norm))
+            calls_ = [c for c in calls if c is not None]
+            described.append((calls_, post_norm, next_norm, key_offset))
         library = load_library("decode_layers.c", level)
         if library is None:
             return None

@@ -47,8 +47,11 @@ class LayerOps(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        key_offset: torch.Tensor | None = None,  # [Hkv, D] float32
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotate q and k, write k and v to the cache; return q [T,Hq,D], k, v [T,Hkv,D]."""
+        """Rotate q and k, write k and v to the cache; return q [T,Hq,D], k, v [T,Hkv,D].
+        ``key_offset``: subtracted from the rotated k (rounded to the model's dtype) before
+        both are written and returned (quantized K/V: ``kv_codec.key_offset``)."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -79,6 +82,7 @@ class TorchLayerOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        key_offset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         # The same positions serve every layer of the step: look the tables up once.
@@ -88,6 +92,8 @@ class TorchLayerOps:
         q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rotary(q.view(t, hq, d), cos, sin)
         k = apply_rotary(k.view(t, hkv, d), cos, sin)
+        if key_offset is not None:
+            k = (k.float() - key_offset).to(k.dtype)
         v = v.view(t, hkv, d)
         self.attention.write_kv(k, v, k_cache, v_cache, meta)
         return q, k, v
@@ -135,6 +141,7 @@ class FusedCpuLayerOps:
         self._rope_q8 = lib.rope_write_kv_q8
         self._rope_q8.restype = None
         self._rope_q8.argtypes = [*self._rope.argtypes, ctypes.c_int, ctypes.c_int]
+        self._rope_q8.argtypes += [ctypes.c_void_p]  # the key offset, float32 [Hkv, D]
         self._add_norm = lib.add_rms_norm_bf16
         self._add_norm.restype = ctypes.c_int
         self._add_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -172,11 +179,16 @@ class FusedCpuLayerOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        key_offset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         layout = self.attention.native_layout(k_cache, v_cache)
-        if not self.writes(layout) or not qkv.is_contiguous():
-            return self.fallback.rope_write_kv(qkv, positions, k_cache, v_cache, meta)
+        if (
+            not self.writes(layout)
+            or not qkv.is_contiguous()
+            or (key_offset is not None and (layout is None or layout.codec is None))
+        ):
+            return self.fallback.rope_write_kv(qkv, positions, k_cache, v_cache, meta, key_offset)
         assert layout is not None
         q = torch.empty((t, hq, d), dtype=qkv.dtype)
         k = torch.empty((t, hkv, d), dtype=qkv.dtype)
@@ -188,7 +200,8 @@ class FusedCpuLayerOps:
         if layout.codec is None:
             self._rope(*args)
         else:
-            self._rope_q8(*args, layout.kv_groups, layout.codec == "fp8")
+            offset = 0 if key_offset is None else _ptr(key_offset)
+            self._rope_q8(*args, layout.kv_groups, layout.codec == "fp8", offset)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         return q, k, v
 

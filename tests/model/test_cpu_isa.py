@@ -22,6 +22,7 @@ SKYLAKE_SP = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 COOPER_LAKE = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni"}  # Zen 4 too
 SAPPHIRE = COOPER_LAKE | {"amx_tile", "amx_bf16", "amx_int8"}
 
+CSRC = Path(cpu_isa.__file__).parent / "csrc"  # every kernel source
 x86_only = pytest.mark.skipif(not cpu_isa.is_x86(), reason="ISA levels are x86 levels")
 
 
@@ -91,7 +92,7 @@ def test_the_cli_refuses_a_forced_level_above_the_cpu() -> None:
 @pytest.mark.slow
 @x86_only
 @pytest.mark.parametrize("level", cpu_isa.LEVELS)
-@pytest.mark.parametrize("source", ["linear.c", "paged_decode.c", "fused_ops.c"])
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
 def test_every_level_compiles_here(
     level: str, source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,7 +18,7 @@ from kvgate.entrypoints.llm import LLM
 from kvgate.errors import InvalidConfig
 from kvgate.model.attention import AttentionMetadata, TorchAttention
 from kvgate.model.cpu_kernels import load_fused_ops_lib
-from kvgate.model.kv_codec import KVCodec, codec_for
+from kvgate.model.kv_codec import KVCodec, codec_for, key_offset
 from tests.model.isa import vector_levels
 from tests.model.steps import one_prefill
 
@@ -105,17 +105,78 @@ def test_attention_reads_the_decoded_rows(name: str) -> None:
     assert (fresh - exact).abs().max() < tol
 
 
+def _attention(keys: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query [Hkv, D] over keys and values [L, Hkv, D], float64: [Hkv, D]."""
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, keys) / q.shape[-1] ** 0.5, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+def test_the_key_offset_is_the_bias_on_the_channels_rope_hardly_turns() -> None:
+    inv_freq = 1.0 / 1e4 ** (torch.arange(0, 16, 2).float() / 16)  # [8]: 1 ... 3.2e-4
+    bias = torch.randn(2 * 16) * 100
+    offset = key_offset(bias, inv_freq, 2048)  # only pair 7 turns <= 1 rad over 2048
+    assert offset is not None and offset.shape == (2, 16) and offset.dtype == torch.float32
+    unturned = torch.zeros(16, dtype=torch.bool)
+    unturned[[7, 15]] = True  # rotate-half pairs: channels j and j + D/2
+    assert torch.equal(offset[:, unturned], bias.view(2, 16)[:, unturned])
+    assert bool((offset[:, ~unturned] == 0).all())
+    assert key_offset(bias, inv_freq, 100_000) is None  # every pair turns over that context
+    assert key_offset(torch.zeros(32), inv_freq, 2048) is None
+
+
+def test_keys_less_a_constant_leave_attention_as_it_is_and_keep_their_precision() -> None:
+    """Why quantized keys are stored less ``key_offset``: exact without quantization (every
+    score of a query moves by ``q . offset``), and where a key bias puts several channels of
+    a scale group at ~100x the rest (as Qwen2.5's does), the group's scale is set by the
+    largest and e4m3 keeps 1/16 of the others' size as error, int8 1/254 of the largest:
+    the scores' error (what softmax sees of it: less its mean over the keys) is ~10x
+    smaller with the offset."""
+    g = torch.Generator().manual_seed(4)
+    length, hkv, d = 300, 2, 64
+    f64 = torch.float64
+    keys = torch.randn(length, hkv, d, generator=g, dtype=f64) * 2
+    channels = [28, 29, 30, 31, 60, 61, 62, 63]  # the last of each half: RoPE's slowest
+    bias = torch.zeros(hkv, d, dtype=f64)
+    bias[:, channels] = torch.tensor(
+        [[60, -90, 150, 350, -40, 70, -130, -290], [30, 50, -70, 110, 20, -40, 60, 80]], dtype=f64
+    )
+    keys[:, :, channels] *= 3  # the bias channels vary more from token to token, too
+    keys += bias
+    q = torch.randn(hkv, d, generator=g, dtype=f64)
+    v = torch.randn(length, hkv, d, generator=g, dtype=f64)
+    torch.testing.assert_close(
+        _attention(keys - bias, q, v), _attention(keys, q, v), rtol=1e-9, atol=1e-12
+    )
+    exact = torch.einsum("hd,lhd->hl", q, keys)
+
+    def error(name: str, offset: torch.Tensor) -> float:
+        stored = KVCodec(name, torch.float32).roundtrip((keys - offset).float()).double()
+        err = torch.einsum("hd,lhd->hl", q, stored) - exact
+        return float((err - err.mean(-1, keepdim=True)).std())
+
+    none = torch.zeros_like(bias)
+    for name in ("int8", "fp8"):
+        assert error(name, bias) < error(name, none) / 4, name
+    assert error("fp8", none) > 1.0  # about one logit of noise on every score
+
+
 def _greedy(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
     return [list(o.token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_the_same_prompt_scheduled_otherwise_gives_the_same_tokens(
-    name: str, tiny_llama_dir: Path
+    name: str, model: str, request: pytest.FixtureRequest
 ) -> None:
     """Whole, in chunks of 5 tokens, batched, and continued from a prefix hit: every path
-    attends over the quantized rows, so none differs from another."""
+    attends over the quantized rows, so none differs from another (keys less the Qwen2's
+    key offset on every path too)."""
+    tiny_llama_dir: Path = request.getfixturevalue(model)
+    if model == "tiny_qwen2_dir":
+        probe = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name)
+        assert all(layer.key_offset is not None for layer in probe.engine.model.layers)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(40 + 9 * i)] for i in range(3)]
     whole = LLM(
         str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, enable_prefix_caching=False
@@ -175,11 +236,14 @@ def test_a_preempted_and_recomputed_prompt_reads_the_same_rows(tiny_llama_dir: P
 
 @pytest.mark.parametrize("level", vector_levels())
 @pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_fused_rope_write_encodes_rows_bit_identical_to_the_codec(level: str, name: str) -> None:
+@pytest.mark.parametrize("offset", [False, True])
+def test_fused_rope_write_encodes_rows_bit_identical_to_the_codec(
+    level: str, name: str, offset: bool
+) -> None:
     """The fused RoPE + KV write (``rope_write_kv_q8``) stores what ``KVCodec.encode`` would,
     byte for byte, on every vector level: a prompt's rows are the same whichever path wrote
     them. Rows with zeros, a negative zero, outliers, tiny values (fp8's subnormals) and
-    ties."""
+    ties; with a key offset, keys less it as the per-op path rounds them (``TorchLayerOps``)."""
     lib = load_fused_ops_lib(level)
     if lib is None:
         pytest.skip(f"no fused ops at {level} (no vector path or no compiler)")
@@ -207,13 +271,16 @@ def test_fused_rope_write_encodes_rows_bit_identical_to_the_codec(level: str, na
     fn = lib.lib.rope_write_kv_q8
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4 + [ctypes.c_int64]
-    fn.argtypes += [ctypes.c_int, ctypes.c_int]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    shift = torch.randn(hkv, d, generator=g) * 50 if offset else None
     fn(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
         q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        t, hq, hkv, d, n_slots, d // 32, name == "fp8",
+        t, hq, hkv, d, n_slots, d // 32, name == "fp8", None if shift is None else shift.data_ptr(),
     )  # fmt: skip
     k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    if shift is not None:
+        k = (k.float() - shift).to(torch.bfloat16)
     v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
     assert torch.equal(k_out, k)
     assert torch.equal(k_cache[:, slots], codec.encode(k).transpose(0, 1))

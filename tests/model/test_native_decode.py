@@ -73,14 +73,23 @@ def _run(
 
 @pytest.mark.parametrize("forced_level", vector_levels(), indirect=True)
 @pytest.mark.parametrize(
-    ("quantization", "kv"),
-    [(None, "auto"), ("int8", "auto"), ("int8-b32", "auto"), (None, "int8"), (None, "fp8")],
+    ("quantization", "kv", "model"),
+    [
+        (None, "auto", "tiny_llama_dir"),
+        ("int8", "auto", "tiny_llama_dir"),
+        ("int8-b32", "auto", "tiny_llama_dir"),
+        (None, "int8", "tiny_llama_dir"),
+        (None, "fp8", "tiny_llama_dir"),
+        (None, "fp8", "tiny_qwen2_dir"),
+    ],
 )
 def test_native_decode_layers_equal_the_per_op_path(
-    forced_level: str, quantization: str | None, kv: str, tiny_llama_dir: Path
+    forced_level: str, quantization: str | None, kv: str, model: str, request: pytest.FixtureRequest
 ) -> None:
     """Also with K/V stored as int8 or fp8 rows: the layers write them with the fused
-    encoder and read them in place, as the per-op path's kernels do."""
+    encoder and read them in place, as the per-op path's kernels do (with a Qwen2's key
+    offset: each layer's keys stored less it, ``kv_codec.key_offset``)."""
+    tiny_llama_dir: Path = request.getfixturevalue(model)
     if forced_level == "generic":
         pytest.skip("no vector path on this CPU: decode runs per op on PyTorch")
     native_eng = _engine(tiny_llama_dir, quantization, kv)

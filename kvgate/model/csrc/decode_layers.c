@@ -34,7 +34,8 @@ typedef int (*attend_fn)(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 typedef void (*rope_q8_fn)(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
                            const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
                            uint16_t* k_out, uint8_t* k_cache, uint8_t* v_cache, int T, int Hq,
-                           int Hkv, int D, int64_t num_slots, int NG, int fp8);
+                           int Hkv, int D, int64_t num_slots, int NG, int fp8,
+                           const float* k_offset);
 typedef int (*attend_q8_fn)(const uint16_t* q, const uint8_t* kc, const uint8_t* vc,
                             const int64_t* tables, const int64_t* lens, uint16_t* out, int B,
                             int Hkv, int G, int D, int64_t N, int BS, int max_blocks,
@@ -58,6 +59,7 @@ typedef struct {
     const uint16_t* next_norm;
     void* k_cache;   /* head-major [Hkv, N, BS, D] bf16, or [Hkv, N, BS, D + 4 NG] bytes */
     void* v_cache;
+    const float* k_offset;  /* [Hkv, D] that quantized keys are stored less, or NULL */
 } kvg_layer;
 
 typedef struct {
@@ -125,7 +127,7 @@ int kvg_decode_layers(const kvg_model* m, const kvg_layer* layers, int l0, int l
         if (m->kv_groups) {
             ((rope_q8_fn)m->rope_q8)(qkv, s->positions, m->cos, m->sin_signed, s->slots, q, k,
                                      L->k_cache, L->v_cache, T, m->hq, m->hkv, m->d, num_slots,
-                                     m->kv_groups, m->fp8 != 0);
+                                     m->kv_groups, m->fp8 != 0, L->k_offset);
             if (((attend_q8_fn)m->attend_q8)(q, L->k_cache, L->v_cache, s->tables, s->lens, attn,
                                              T, m->hkv, m->hq / m->hkv, m->d, m->num_blocks,
                                              m->block_size, s->max_blocks, m->scale,

@@ -227,14 +227,18 @@ static void encode_row_q8(const uint16_t* x, uint8_t* out, int D, int NG, int fp
 
 /* qkv [T, (Hq + 2 Hkv) D] -> q_out [T, Hq, D], k_out [T, Hkv, D] rotated; rotated K and V
  * written to the head-major caches at slots[t]: rows of D bf16 ([Hkv, N * BS, D], NG = 0),
- * or quantized rows of D + 4 NG bytes (encode_row_q8). cos/sin tables [P, D].
+ * or quantized rows of D + 4 NG bytes (encode_row_q8). cos/sin tables [P, D]. k_offset
+ * (float32 [Hkv, D], or NULL; quantized rows only): subtracted from each rotated k, rounded
+ * to bf16 as torch's (k.float() - offset).to(bfloat16), before k is returned and encoded
+ * (kv_codec.key_offset: it changes no attention weight).
  * Threads split tokens, one per ROPE_PER_THREAD rotated elements (SmolLM2: 12 heads of 64,
  * 768 a token, about 1 us on one AVX2 core): 2 threads from 16 tokens on. */
 #define ROPE_PER_THREAD 6144
 static void rope_write_rows(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
                             const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
                             uint16_t* k_out, void* k_cache, void* v_cache, int T, int Hq,
-                            int Hkv, int D, int64_t num_slots, int NG, int fp8) {
+                            int Hkv, int D, int64_t num_slots, int NG, int fp8,
+                            const float* k_offset) {
     const int64_t row = (int64_t)(Hq + 2 * Hkv) * D;
     const int64_t width = NG ? D + 4 * NG : 2 * D; /* bytes a cache row */
     const int64_t work = (int64_t)T * (Hq + (NG ? 3 : 1) * Hkv) * D;
@@ -245,6 +249,8 @@ static void rope_write_rows(const uint16_t* qkv, const int64_t* positions, const
         uint16_t* k = k_out + (int64_t)t * Hkv * D;
         rotate_heads(x, cos + positions[t] * D, sin_signed + positions[t] * D,
                      q_out + (int64_t)t * Hq * D, k, Hq, Hkv, D);
+        if (k_offset)
+            for (int i = 0; i < Hkv * D; ++i) k[i] = st(ld(k[i]) - k_offset[i]);
         for (int h = 0; h < Hkv; ++h) {
             uint8_t* kr = (uint8_t*)k_cache + ((int64_t)h * num_slots + slots[t]) * width;
             uint8_t* vr = (uint8_t*)v_cache + ((int64_t)h * num_slots + slots[t]) * width;
@@ -265,17 +271,19 @@ void rope_write_kv_bf16(const uint16_t* qkv, const int64_t* positions, const uin
                         uint16_t* k_out, uint16_t* k_cache, uint16_t* v_cache, int T, int Hq,
                         int Hkv, int D, int64_t num_slots) {
     rope_write_rows(qkv, positions, cos, sin_signed, slots, q_out, k_out, k_cache, v_cache, T,
-                    Hq, Hkv, D, num_slots, 0, 0);
+                    Hq, Hkv, D, num_slots, 0, 0, NULL);
 }
 
-/* The same, K and V encoded as they are written (int8, or fp8 with fp8 != 0). */
+/* The same, K and V encoded as they are written (int8, or fp8 with fp8 != 0), K less
+ * k_offset (NULL: none). */
 void rope_write_kv_q8(const uint16_t* qkv, const int64_t* positions, const uint16_t* cos,
                       const uint16_t* sin_signed, const int64_t* slots, uint16_t* q_out,
                       uint16_t* k_out, uint8_t* k_cache, uint8_t* v_cache, int T, int Hq,
-                      int Hkv, int D, int64_t num_slots, int NG, int fp8) {
+                      int Hkv, int D, int64_t num_slots, int NG, int fp8,
+                      const float* k_offset) {
     if (NG < 1) return;
     rope_write_rows(qkv, positions, cos, sin_signed, slots, q_out, k_out, k_cache, v_cache, T,
-                    Hq, Hkv, D, num_slots, NG, fp8);
+                    Hq, Hkv, D, num_slots, NG, fp8, k_offset);
 }
 
 /* SLEEF's expf_u10 (PyTorch's vectorised exp): x = q ln2 + s with q = round(x / ln2) and ln2
