@@ -384,7 +384,16 @@ class TorchAttention:
         in the compute dtype (stored rows decoded after the gather)."""
         hkv, num_blocks, bs, d = cache.shape
         rows = cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
-        return rows if self.codec is None else self.codec.decode(rows, dim)
+        codec = self.codec
+        if codec is None:
+            return rows
+        if self.decode_kernel is not None and codec.compute_dtype == torch.bfloat16:
+            # int8/fp8 rows decoded natively: the same bf16 values, e4m3 ~20x faster
+            # (``decode_rows_q8_bf16``).
+            out = self.decode_kernel.decode_rows(rows, dim, scale_groups(dim), codec.name == "fp8")
+            if out is not None:
+                return out
+        return codec.decode(rows, dim)
 
     def _decode(
         self,

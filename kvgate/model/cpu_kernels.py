@@ -202,6 +202,10 @@ class PagedDecodeKernel:
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
+        self._rows = lib.decode_rows_q8_bf16
+        self._rows.restype = ctypes.c_int
+        self._rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._rows.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         #: Every e4m3 byte's value, for the fp8 rows (the table the kernel reads them by).
         self._fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         self._fp8 = self._fp8.view(torch.float8_e4m3fn).float().contiguous()
@@ -229,6 +233,23 @@ class PagedDecodeKernel:
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"quantized paged decode refused shapes: dim={d}, groups={groups}")
+        return out
+
+    def decode_rows(
+        self,
+        rows: torch.Tensor,  # [..., D + 4 groups] uint8: quantized rows (``kv_codec.py``)
+        dim: int,
+        groups: int,
+        fp8: bool,
+    ) -> torch.Tensor | None:
+        """[..., dim] bf16, byte for byte ``KVCodec.decode`` for a bf16 model (a prefill's
+        gathered context); None where the kernel refuses the shape."""
+        rows = rows.contiguous()
+        out = torch.empty((*rows.shape[:-1], dim), dtype=torch.bfloat16)
+        table = self._fp8.data_ptr() if fp8 else None
+        n = rows.numel() // rows.shape[-1] if rows.numel() else 0
+        if self._rows(rows.data_ptr(), out.data_ptr(), n, dim, groups, table) != 0:
+            return None
         return out
 
     def decode_address(self, dtype: torch.dtype) -> int:

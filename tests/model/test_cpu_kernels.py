@@ -8,6 +8,7 @@ import torch
 from kvgate.model.attention import AttentionMetadata, TorchAttention
 from kvgate.model.cpu_kernels import PagedDecodeKernel, load_fused_ops_lib, load_paged_decode
 from kvgate.model.kv_codec import KVCodec
+from kvgate.model.kv_spec import scale_groups
 from kvgate.model.ops import FusedCpuLayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding
 from tests.model.isa import vector_levels
@@ -263,6 +264,31 @@ def test_paged_decode_is_batch_invariant(level: str, dtype: torch.dtype) -> None
             q[i : i + 1], k_cache, v_cache, tables[i], meta.decode_lens[i : i + 1], scale
         )
         assert torch.equal(alone, batched[i : i + 1])
+
+
+@levels
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("d", [64, 128, 256, 16, 48])
+def test_quantized_rows_decode_natively_to_the_codecs_bf16(level: str, kv: str, d: int) -> None:
+    """``decode_rows`` (a prefill's gathered context) gives ``KVCodec.decode``'s bf16 values
+    bit for bit: the vector bodies (a scale per 32 values) and the generic one (a scale a
+    row: 16, 48). Rows of every magnitude, zeros, and fp8's subnormals beside an outlier."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 700, d, generator=g) * torch.rand(3, 700, 1, generator=g) * 20
+    x[0, 0] = 0.0
+    x[1, 3, : min(d, 32)] = torch.linspace(-1e-3, 1e-3, min(d, 32))
+    x[1, 3, 0] = 300.0  # the rest of its group: fp8 subnormals
+    codec = KVCodec(kv, torch.bfloat16)
+    rows = codec.encode(x.bfloat16())
+    got = _kernel(level).decode_rows(rows, d, scale_groups(d), kv == "fp8")
+    assert got is not None and got.shape == x.shape and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), codec.decode(rows, d).view(torch.int16))
+    # And through the attention backend's gather, as a prefill over cached rows reads them.
+    attn = TorchAttention(4, 2, d, decode_kernel=_kernel(level), codec=codec)
+    cache = rows[:2].reshape(2, 70, 10, -1).contiguous()  # [Hkv, blocks, block size, row]
+    blocks = torch.tensor([5, 0, 69, 12])
+    want = codec.decode(cache[:, blocks].reshape(2, 40, -1), d)
+    assert torch.equal(attn._gather(cache, blocks, d).view(torch.int16), want.view(torch.int16))
 
 
 @levels
