@@ -198,19 +198,30 @@ class _HeldExecutor(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Let every held load run, and wait for them."""
         self.release.set()
         for t in self.threads:
             t.join(30)
 
 
-def test_cancel_during_a_load_gives_every_block_back(tiny_llama_dir: Path, tier_dir: Path) -> None:
-    engine = _engine(tiny_llama_dir, tier_dir)
+def _held_loads(engine: LLMEngine) -> tuple[list[int], _HeldExecutor]:
+    """``PROMPT`` run once (its tokens returned), its blocks then in the tier and out of the
+    pool, and the tier's loads held until the executor's ``finish``."""
     cold, _ = _run(engine, "a", PROMPT)
     _flush(engine)
     _evict_all(engine)
     assert engine.tier_io is not None
     held = _HeldExecutor()
     engine.tier_io._loads = held
+    return cold, held
+
+
+def test_cancel_during_a_load_gives_every_block_back(tiny_llama_dir: Path, tier_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, tier_dir)
+    cold, held = _held_loads(engine)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     engine.add(engine.make_request("b", PROMPT, params))
     engine.add(engine.make_request("c", OTHER, params))
@@ -221,9 +232,7 @@ def test_cancel_during_a_load_gives_every_block_back(tiny_llama_dir: Path, tier_
     engine.abort(["b"])  # while its blocks are being written
     assert "b" not in engine.scheduler.requests and not engine.scheduler.loading
     assert engine.kv_cache.num_loading == 1  # still held: a thread writes them
-    held.release.set()
-    for t in held.threads:
-        t.join(30)
+    held.finish()
     while engine.has_unfinished():
         engine.step()
     engine.step()  # polls the finished load
@@ -332,12 +341,7 @@ def test_a_reused_request_id_is_not_given_the_old_loads_blocks(
     """Abort a request while it loads, then add a new one of the same id that starts its
     own load: the old load's end must not release the new one early."""
     engine = _engine(tiny_llama_dir, tier_dir)
-    cold, _ = _run(engine, "a", PROMPT)
-    _flush(engine)
-    _evict_all(engine)
-    assert engine.tier_io is not None
-    held = _HeldExecutor()
-    engine.tier_io._loads = held
+    cold, held = _held_loads(engine)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     engine.add(engine.make_request("b", PROMPT, params))
     engine.step()
@@ -349,9 +353,7 @@ def test_a_reused_request_id_is_not_given_the_old_loads_blocks(
     engine.add(engine.make_request("b", PROMPT, params))
     engine.step()
     assert "b" not in {r.request_id for r in engine.scheduler.running}
-    held.release.set()
-    for t in held.threads:
-        t.join(30)
+    held.finish()
     tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():
