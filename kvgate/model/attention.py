@@ -361,8 +361,12 @@ class TorchAttention:
         # from there (a fresh prompt uses k and v directly: as stored, where rows are
         # quantized, so that it attends over what its chunked twin would read).
         if self.codec is not None and meta.prefills:
-            k = self.codec.roundtrip(k)
-            v = k[..., : self.v_dim] if self.v_in_k else self.codec.roundtrip(v)
+            k = self._decoded(self.codec.encode(k), k.shape[-1])
+            v = (
+                k[..., : self.v_dim]
+                if self.v_in_k
+                else self._decoded(self.codec.encode(v), v.shape[-1])
+            )
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, window)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
@@ -384,12 +388,19 @@ class TorchAttention:
         in the compute dtype (stored rows decoded after the gather)."""
         hkv, num_blocks, bs, d = cache.shape
         rows = cache.view(hkv, num_blocks, bs * d).index_select(1, blocks).view(hkv, -1, d)
+        return rows if self.codec is None else self._decoded(rows, dim)
+
+    def _decoded(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        """Stored rows [..., width] -> [..., dim] in the compute dtype: ``codec.decode``,
+        natively for int8/fp8 rows under a bf16 model (the same values, e4m3 ~15x faster:
+        ``decode_rows_q8_bf16``)."""
         codec = self.codec
-        if codec is None:
-            return rows
-        if self.decode_kernel is not None and codec.compute_dtype == torch.bfloat16:
-            # int8/fp8 rows decoded natively: the same bf16 values, e4m3 ~20x faster
-            # (``decode_rows_q8_bf16``).
+        assert codec is not None
+        if (
+            self.decode_kernel is not None
+            and codec.scaled
+            and codec.compute_dtype == torch.bfloat16
+        ):
             out = self.decode_kernel.decode_rows(rows, dim, scale_groups(dim), codec.name == "fp8")
             if out is not None:
                 return out
