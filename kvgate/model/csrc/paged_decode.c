@@ -590,13 +590,21 @@ AVX2_INLINE void pv_heads(__m256 (*acc)[MAX_D / 8], int g, int NH, const char* c
  * Rows past the end of a partial tile are never read: their row pointer repeats the tile's
  * last valid row and their scores are set to -inf (probability exactly 0). Needs D % 8 == 0.
  * One work item: sequence b, KV head h. */
+/* The 8 e4m3 codes in the low bytes of b as floats of 2^-8 their value, through F16C
+ * (e4m3x16_avx512's twin: the bits moved into an fp16's places). */
+AVX2_INLINE __m256 e4m3x8_avx2(__m128i b) {
+    const __m128i x = _mm_cvtepu8_epi16(b);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
 /* Quantized rows of a block decoded to bf16 (q8_block_to_bf16's AVX2 twin): values x their
  * group's scale (one per 32 values), rounded to nearest even; e4m3 codes through F16C as
  * there (an fp16 of 2^-8 the value, the scale x 256). */
 AVX2_INLINE void q8_block_to_bf16_avx2(const uint8_t* src, uint16_t* dst, int n, int D, int NG,
                                        const float* fp8) {
     const int row = D + 4 * NG;
-    const __m128i sign = _mm_set1_epi16(0x80), rest = _mm_set1_epi16(0x7f);
     for (int t = 0; t < n; ++t) {
         const uint8_t* r = src + (int64_t)t * row;
         for (int g = 0; g < NG; ++g) { /* 32 values and their scale */
@@ -607,12 +615,8 @@ AVX2_INLINE void q8_block_to_bf16_avx2(const uint8_t* src, uint16_t* dst, int n,
                 const __m128i b = _mm_loadu_si128((const __m128i*)(r + d));
                 __m256 lo, hi;
                 if (fp8) {
-                    const __m128i xl = _mm_cvtepu8_epi16(b);
-                    const __m128i xh = _mm_cvtepu8_epi16(_mm_srli_si128(b, 8));
-                    lo = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(xl, sign), 8),
-                                                      _mm_slli_epi16(_mm_and_si128(xl, rest), 7)));
-                    hi = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(xh, sign), 8),
-                                                      _mm_slli_epi16(_mm_and_si128(xh, rest), 7)));
+                    lo = e4m3x8_avx2(b);
+                    hi = e4m3x8_avx2(_mm_srli_si128(b, 8));
                 } else {
                     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
                     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
