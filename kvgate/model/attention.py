@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from kvgate.model.cpu_kernels import PagedDecodeKernel
 
 
+#: Prefill slices up to this many tokens of context run on AMX tiles where the CPU has them
+#: (``TorchAttention._tiled_prefill``); longer ones on SDPA (flash attention, whose blocks
+#: keep the scores in cache at any length).
+_TILED_PREFILL_MAX = 8192
 #: Fresh prompts up to this many tokens use ``_short_prefill`` (measured crossover ~300).
 _SHORT_PREFILL = 256
 #: A fresh prompt up to this many tokens longer runs its first ``_SHORT_PREFILL`` on that
@@ -72,6 +77,20 @@ class AttentionMetadata:
     #: [num_decodes] int64: position of the first token of each decode's first block in
     #: ``decode_blocks`` (sliding-window layers read from the window's first block); None: 0.
     decode_kv_start: torch.Tensor | None = None
+
+    @cached_property
+    def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill slices as a native kernel reads them: [S, 4] int64 (token_start,
+        token_end, start_pos, offset of the slice's first block id) and the slices' block
+        ids end to end. Built on first use, once a step (every layer shares the metadata)."""
+        rows, at = [], 0
+        for p in self.prefills:
+            rows.append((p.token_start, p.token_end, p.start_pos, at))
+            at += int(p.block_table.numel())
+        tables = torch.cat([p.block_table for p in self.prefills]) if self.prefills else None
+        return torch.tensor(rows, dtype=torch.int64).view(-1, 4), (
+            tables if tables is not None else torch.empty((0,), dtype=torch.int64)
+        )
 
 
 class ScheduledRows(Protocol):
@@ -360,15 +379,22 @@ class TorchAttention:
         # K/V of this step are in the pool already, so every sequence reads its whole context
         # from there (a fresh prompt uses k and v directly: as stored, where rows are
         # quantized, so that it attends over what its chunked twin would read).
-        if self.codec is not None and meta.prefills:
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta, window)
+        tiled = self._tiled_prefill(q, k_cache, v_cache, meta, window)
+        if tiled is not None:
+            if meta.num_decodes:
+                tiled[: meta.num_decodes] = self._decode(
+                    q[: meta.num_decodes], k_cache, v_cache, meta, window
+                )
+            return tiled
+        if self.codec is not None:
             k = self._decoded(self.codec.encode(k), k.shape[-1])
             v = (
                 k[..., : self.v_dim]
                 if self.v_in_k
                 else self._decoded(self.codec.encode(v), v.shape[-1])
             )
-        if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta, window)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(
@@ -382,6 +408,43 @@ class TorchAttention:
             else:  # the window holds the whole context: plain causal attention
                 out[p.token_start : p.token_end] = self._prefill(q, k, v, k_cache, v_cache, p)
         return out
+
+    def _tiled_prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Every prefill slice of the step in one native call on AMX tiles (``prefill_amx.h``),
+        K/V read from the pool where they are: no gather, no per-slice PyTorch calls, only
+        the causal keys; int8 and fp8 rows decoded as the decode kernel decodes them. Its
+        decode rows are left to the caller. None where it does not apply: no tiles, a
+        float32 model, a slice longer than ``_TILED_PREFILL_MAX`` or than the window."""
+        kernel, codec = self.decode_kernel, self.codec
+        if (
+            kernel is None
+            or not kernel.prefills
+            or q.dtype != torch.bfloat16
+            or (codec is None and k_cache.dtype != torch.bfloat16)
+            or (codec is not None and not (codec.scaled and codec.compute_dtype == q.dtype))
+            or self.head_dim % 32
+            or self.head_dim > kernel.MAX_HEAD_DIM
+        ):
+            return None
+        longest = max(p.context_len for p in meta.prefills)
+        if longest > _TILED_PREFILL_MAX or (window is not None and longest > window):
+            return None
+        if any(p.kv_start for p in meta.prefills):
+            return None
+        slices, tables = meta.prefill_tables
+        if codec is None:
+            return kernel.prefill(q, k_cache, v_cache, slices, tables, self.scale, longest)
+        return kernel.prefill(
+            q, k_cache, v_cache, slices, tables, self.scale, longest,
+            scale_groups(self.head_dim), codec.name == "fp8",
+        )  # fmt: skip
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, dim: int) -> torch.Tensor:
         """[Hkv, N, bs, D] cache, [n] block ids -> [Hkv, n * bs, dim], contiguous per head,

@@ -202,6 +202,13 @@ class PagedDecodeKernel:
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
+        self._prefill = lib.prefill_attention_bf16
+        self._prefill.restype = ctypes.c_int
+        self._prefill.argtypes = [*([ctypes.c_void_p] * 6), *([ctypes.c_int] * 4)]
+        self._prefill.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int64]
+        self._prefill.argtypes += [ctypes.c_int, ctypes.c_void_p]
+        #: ``prefill`` runs (AMX tiles, the tile state granted); False: callers use PyTorch.
+        self.prefills = bool(lib.prefill_attention_ready())
         self._rows = lib.decode_rows_q8_bf16
         self._rows.restype = ctypes.c_int
         self._rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -251,6 +258,32 @@ class PagedDecodeKernel:
         if self._rows(rows.data_ptr(), out.data_ptr(), n, dim, groups, table) != 0:
             return None
         return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] bf16, the step's rows
+        k_cache: torch.Tensor,  # [Hkv, N, BS, D] bf16 or [Hkv, N, BS, D + 4 groups] uint8
+        v_cache: torch.Tensor,
+        slices: torch.Tensor,  # [S, 4] int64: token_start, token_end, start_pos, table_at
+        tables: torch.Tensor,  # [sum of the slices' blocks] int64
+        scale: float,
+        max_keys: int,  # the longest context of a slice
+        groups: int = 0,  # quantized rows (``kv_codec.py``): their scales a row; 0: bf16
+        fp8: bool = False,
+    ) -> torch.Tensor | None:
+        """Causal attention of every prefill slice of a step on AMX tiles, into a new
+        [T, Hq, D] tensor whose other rows (decodes) are left for the caller; None where the
+        kernel refuses (no tiles, a head size it does not take)."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv, n, bs, _ = k_cache.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rc = self._prefill(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slices.data_ptr(),
+            tables.data_ptr(), out.data_ptr(), slices.shape[0], hkv, hq // hkv, d, n, bs,
+            scale, max_keys, groups, self._fp8.data_ptr() if fp8 else None,
+        )  # fmt: skip
+        return out if rc == 0 else None
 
     def decode_address(self, dtype: torch.dtype) -> int:
         """The paged decode kernel's address, for C code that calls it (``native_decode``)."""

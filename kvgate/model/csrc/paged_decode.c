@@ -10,6 +10,7 @@
  * Paths, first that applies: AVX512-BF16 (bf16, D % 32 == 0), AVX2 + FMA (bf16 and f32,
  * D % 8 == 0; also in the AVX-512 builds), scalar C.
  */
+#define _GNU_SOURCE /* syscall(), for the amx build's tile state (amx.h) */
 #include <math.h>
 #include <stdint.h>
 
@@ -241,6 +242,8 @@ static inline void q8_block_to_bf16(const uint8_t* src, uint16_t* dst, int n, in
         }
     }
 }
+
+#include "prefill_amx.h" /* after q8_block_to_bf16, which it reads quantized rows with */
 
 /* kc / vc: bf16 rows [Hkv, N, BS, D]; or, with NG > 0, quantized rows [Hkv, N, BS, D + 4 NG]
  * bytes (kq / vq), each block decoded to bf16 in a scratch first (1 byte a value read from
@@ -972,6 +975,32 @@ int paged_decode_f32(const float* q, const float* kc, const float* vc, const int
 #endif
     return paged_decode_f32_generic(q, kc, vc, tables, lens, out, B, Hkv, G, D, N, BS,
                                     max_blocks, scale);
+}
+
+/* Causal prefill attention of every slice of a step over the paged pool (prefill_amx.h),
+ * bf16 rows (NG = 0) or int8 / fp8 rows with NG scales each (kv_codec.py): 0, or -1 where
+ * this build or CPU has no tile path (the caller keeps PyTorch's). */
+int prefill_attention_bf16(const uint16_t* q, const void* kc, const void* vc,
+                           const int64_t* slices, const int64_t* tables, uint16_t* out, int S,
+                           int Hkv, int G, int D, int64_t N, int BS, float scale,
+                           int64_t max_keys, int NG, const float* fp8) {
+#ifdef KVGATE_AMX
+    return prefill_attention_amx(q, kc, vc, slices, tables, out, S, Hkv, G, D, N, BS, scale,
+                                 max_keys, NG, fp8);
+#else
+    (void)q; (void)kc; (void)vc; (void)slices; (void)tables; (void)out; (void)S; (void)Hkv;
+    (void)G; (void)D; (void)N; (void)BS; (void)scale; (void)max_keys; (void)NG; (void)fp8;
+    return -1;
+#endif
+}
+
+/* 1 where prefill_attention_bf16 runs on tiles. */
+int prefill_attention_ready(void) {
+#ifdef KVGATE_AMX
+    return amx_ready;
+#else
+    return 0;
+#endif
 }
 
 KVGATE_DEFINE_ISA()
