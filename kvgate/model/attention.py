@@ -33,10 +33,13 @@ if TYPE_CHECKING:
     from kvgate.model.cpu_kernels import PagedDecodeKernel
 
 
-#: Prefill slices up to this many tokens of context run on AMX tiles where the CPU has them
-#: (``TorchAttention._tiled_prefill``); longer ones on SDPA (flash attention, whose blocks
-#: keep the scores in cache at any length).
-_TILED_PREFILL_MAX = 8192
+#: A prefill slice runs on AMX tiles where the CPU has them (``TorchAttention._tiled_prefill``)
+#: while its context times the head size is at most this; longer ones on SDPA (flash
+#: attention, whose blocks keep the scores in cache at any length, where the tiles take a
+#: whole row of 16 queries' scores through it). Measured: a 512-token chunk after 7.7k
+#: cached tokens 1.6-1.7x SDPA's speed with SmolLM2's heads (9 / 3 x 64), 0.8-0.9x with
+#: Qwen2.5-1.5B's (12 / 2 x 128), 1.2-2.3x at 2.5k tokens (bench/prefill_attention.py).
+_TILED_PREFILL_MAX = 8192 * 64
 #: Fresh prompts up to this many tokens use ``_short_prefill`` (measured crossover ~300).
 _SHORT_PREFILL = 256
 #: A fresh prompt up to this many tokens longer runs its first ``_SHORT_PREFILL`` on that
@@ -80,17 +83,21 @@ class AttentionMetadata:
 
     @cached_property
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefill slices as a native kernel reads them: [S, 4] int64 (token_start,
-        token_end, start_pos, offset of the slice's first block id) and the slices' block
-        ids end to end. Built on first use, once a step (every layer shares the metadata)."""
-        rows, at = [], 0
-        for p in self.prefills:
-            rows.append((p.token_start, p.token_end, p.start_pos, at))
-            at += int(p.block_table.numel())
-        tables = torch.cat([p.block_table for p in self.prefills]) if self.prefills else None
-        return torch.tensor(rows, dtype=torch.int64).view(-1, 4), (
-            tables if tables is not None else torch.empty((0,), dtype=torch.int64)
-        )
+        """Every prefill slice as a native kernel reads them (``slice_tables``), built on
+        first use, once a step (every layer shares the metadata)."""
+        return slice_tables(self.prefills)
+
+
+def slice_tables(slices: Sequence[PrefillSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill slices as a native kernel reads them: [S, 4] int64 (token_start, token_end,
+    start_pos, offset of the slice's first block id) and the slices' block ids end to end."""
+    rows, at = [], 0
+    for p in slices:
+        rows.append((p.token_start, p.token_end, p.start_pos, at))
+        at += int(p.block_table.numel())
+    blocks = [p.block_table for p in slices]
+    tables = torch.cat(blocks) if blocks else torch.empty((0,), dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 4), tables
 
 
 class ScheduledRows(Protocol):
@@ -376,31 +383,26 @@ class TorchAttention:
         meta: AttentionMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta, window)
+        out, rest = self._tiled_prefill(q, k_cache, v_cache, meta, window)
+        if out is None:
+            out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(
+                q[: meta.num_decodes], k_cache, v_cache, meta, window
+            )
         # K/V of this step are in the pool already, so every sequence reads its whole context
         # from there (a fresh prompt uses k and v directly: as stored, where rows are
         # quantized, so that it attends over what its chunked twin would read).
-        if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta, window)
-        tiled = self._tiled_prefill(q, k_cache, v_cache, meta, window)
-        if tiled is not None:
-            if meta.num_decodes:
-                tiled[: meta.num_decodes] = self._decode(
-                    q[: meta.num_decodes], k_cache, v_cache, meta, window
-                )
-            return tiled
-        if self.codec is not None:
+        if self.codec is not None and rest:
             k = self._decoded(self.codec.encode(k), k.shape[-1])
             v = (
                 k[..., : self.v_dim]
                 if self.v_in_k
                 else self._decoded(self.codec.encode(v), v.shape[-1])
             )
-        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(
-                q[: meta.num_decodes], k_cache, v_cache, meta, window
-            )
-        for p in meta.prefills:
+        for p in rest:
             if window is not None and p.context_len > window:
                 out[p.token_start : p.token_end] = self._windowed_prefill(
                     q, k, v, k_cache, v_cache, p, window
@@ -416,35 +418,44 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         window: int | None,
-    ) -> torch.Tensor | None:
-        """Every prefill slice of the step in one native call on AMX tiles (``prefill_amx.h``),
-        K/V read from the pool where they are: no gather, no per-slice PyTorch calls, only
-        the causal keys; int8 and fp8 rows decoded as the decode kernel decodes them. Its
-        decode rows are left to the caller. None where it does not apply: no tiles, a
-        float32 model, a slice longer than ``_TILED_PREFILL_MAX`` or than the window."""
+    ) -> tuple[torch.Tensor | None, Sequence[PrefillSlice]]:
+        """The step's prefill slices in one native call on AMX tiles (``prefill_amx.h``), K/V
+        read from the pool where they are: no gather, no per-slice PyTorch calls, only the
+        causal keys; int8 and fp8 rows decoded as the decode kernel decodes them. Returns
+        the step's output with those slices' rows written (None: none was), and the slices
+        left to the PyTorch paths: all of them without tiles or for a float32 model, else
+        those reading from past position 0, longer than the window, or whose context times
+        the head size passes ``_TILED_PREFILL_MAX``. Decode rows are the caller's. Each
+        slice goes one way whatever else the step holds, so its rows do not depend on it."""
         kernel, codec = self.decode_kernel, self.codec
+        layout = self.native_layout(k_cache, v_cache)  # contiguous [Hkv, N, BS, row], K and V
         if (
             kernel is None
             or not kernel.prefills
+            or layout is None
             or q.dtype != torch.bfloat16
-            or (codec is None and k_cache.dtype != torch.bfloat16)
-            or (codec is not None and not (codec.scaled and codec.compute_dtype == q.dtype))
+            or (codec is None and layout.dtype != torch.bfloat16)
+            or (codec is not None and codec.compute_dtype != q.dtype)
             or self.head_dim % 32
             or self.head_dim > kernel.MAX_HEAD_DIM
         ):
-            return None
-        longest = max(p.context_len for p in meta.prefills)
-        if longest > _TILED_PREFILL_MAX or (window is not None and longest > window):
-            return None
-        if any(p.kv_start for p in meta.prefills):
-            return None
-        slices, tables = meta.prefill_tables
-        if codec is None:
-            return kernel.prefill(q, k_cache, v_cache, slices, tables, self.scale, longest)
-        return kernel.prefill(
-            q, k_cache, v_cache, slices, tables, self.scale, longest,
-            scale_groups(self.head_dim), codec.name == "fp8",
-        )  # fmt: skip
+            return None, meta.prefills
+        tiled: list[PrefillSlice] = []
+        rest: list[PrefillSlice] = []
+        for p in meta.prefills:
+            fits = p.context_len * self.head_dim <= _TILED_PREFILL_MAX and (
+                window is None or p.context_len <= window
+            )
+            (tiled if fits and not p.kv_start else rest).append(p)
+        if not tiled:
+            return None, rest
+        slices, tables = meta.prefill_tables if not rest else slice_tables(tiled)
+        longest = max(p.context_len for p in tiled)
+        groups, fp8 = (
+            (0, False) if codec is None else (scale_groups(self.head_dim), codec.name == "fp8")
+        )
+        out = kernel.prefill(q, k_cache, v_cache, slices, tables, self.scale, longest, groups, fp8)
+        return (None, meta.prefills) if out is None else (out, rest)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, dim: int) -> torch.Tensor:
         """[Hkv, N, bs, D] cache, [n] block ids -> [Hkv, n * bs, dim], contiguous per head,

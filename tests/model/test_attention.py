@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kvgate.model.attention as attention_module
 from kvgate import LLM
 from kvgate.model.attention import AttentionMetadata, PrefillSlice, TorchAttention
 from kvgate.model.cpu_kernels import PagedDecodeKernel, load_paged_decode
@@ -120,7 +121,7 @@ def test_tiled_prefill_is_causal_attention_over_the_pool(
     q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(1)).bfloat16()
     attention = TorchAttention(heads, kv_heads, d, kernel, kv_dtype=torch.bfloat16, codec=codec)
     got = attention.attend(q, q, q, k_cache, v_cache, meta)
-    assert attention._tiled_prefill(q, k_cache, v_cache, meta, None) is not None
+    assert attention._tiled_prefill(q, k_cache, v_cache, meta, None)[1] == []  # all on tiles
     for p, table in zip(meta.prefills, tables, strict=True):
         keys = _context(k_vals, table, p.context_len)
         values = _context(v_vals, table, p.context_len)
@@ -137,12 +138,15 @@ def test_tiled_prefill_is_causal_attention_over_the_pool(
     assert torch.equal(got[:1], attention._decode(q[:1], k_cache, v_cache, meta))
 
 
-def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch() -> None:
+def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A prompt's rows come out bit-identical whole, in chunks of any size after cached
-    context, or next to other prompts: each row reads only its own q and causal keys."""
+    context, or next to other prompts, also next to one the tiles leave to PyTorch: each
+    row reads only its own q and causal keys."""
     kernel = _tiles()
     heads, kv_heads, d, bs = 9, 3, 64, 16
-    k_cache, v_cache, tables, _ = _pool_step([(0, 150)], kv_heads, d, bs, seed=7)
+    k_cache, v_cache, tables, _ = _pool_step([(0, 150), (150, 50)], kv_heads, d, bs, seed=7)
     q = torch.randn(150, heads, d, generator=torch.Generator().manual_seed(2)).bfloat16()
     attention = TorchAttention(heads, kv_heads, d, kernel, kv_dtype=torch.bfloat16)
 
@@ -165,6 +169,22 @@ def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch() -> None
     # batch may), and the prompt behind another one
     assert torch.equal(whole, step([(0, 70), (70, 80)], 0))
     assert torch.equal(whole, step([(0, 150)], 33))
+
+    # Beside a chunk whose context (200 keys) passes the limit: that chunk goes to PyTorch
+    # (SDPA over its gathered context), the prompt's rows stay on the tiles, unchanged.
+    monkeypatch.setattr(attention_module, "_TILED_PREFILL_MAX", 150 * d)
+    long_q = torch.randn(50, heads, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    long = PrefillSlice(0, 50, 150, tables[1])
+    empty = torch.empty(0, dtype=torch.long)
+    meta = AttentionMetadata(empty, 0, empty, empty, (long, PrefillSlice(50, 200, 0, tables[0])))
+    both_q = torch.cat([long_q, q])
+    assert attention._tiled_prefill(both_q, k_cache, v_cache, meta, None)[1] == [long]
+    both = attention.attend(both_q, both_q, both_q, k_cache, v_cache, meta)
+    assert torch.equal(both[50:], whole)
+    alone = AttentionMetadata(empty, 0, empty, empty, (long,))
+    assert torch.equal(both[:50], attention.attend(long_q, q, q, k_cache, v_cache, alone))
+    monkeypatch.setattr(attention_module, "_TILED_PREFILL_MAX", 0)
+    assert torch.equal(both[:50], attention.attend(long_q, q, q, k_cache, v_cache, alone))
 
 
 def test_a_prompt_scheduled_otherwise_gives_bit_identical_logprobs_on_tiles(
