@@ -31,6 +31,7 @@
 #include <stdlib.h>
 
 #include "amx.h"
+#include "transpose_avx512.h"
 
 /* Query rows of a work item: 64 (enough items for every thread on short prompts); 256 from
  * contexts of 2k keys, where laying the keys out once per item starts to count. */
@@ -47,35 +48,6 @@ static void* pf_scratch(size_t n) {
         cap = buf ? n : 0;
     }
     return buf;
-}
-
-/* 16 x 16 dwords, in place: r[j] holds dword j of every input row. */
-static inline void pf_transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4a + b] now holds, per 128-bit lane L, dword 4L + b' of rows 4a .. 4a + 3, with
-     * b = 0..3 standing for dword columns 0, 1, 2, 3 of each lane */
-    for (int i = 0; i < 4; ++i) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
 }
 
 /* The rows of a layer's cache: bf16, or quantized (NG scales a row; fp8: e4m3 codes). */
@@ -110,7 +82,7 @@ static void pf_layout(const pf_cache* kc, const pf_cache* vc, const int64_t* tab
             __m512i r[16];
             for (int n = 0; n < 16; ++n)
                 r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + 32 * ds) : _mm512_setzero_si512();
-            pf_transpose16(r);
+            transpose16_in(r); /* r[j]: dims 2j, 2j + 1 of the 16 keys */
             uint32_t* dst = kt + ((k0 / 16) * DS + ds) * 256;
             for (int j = 0; j < 16; ++j) _mm512_store_si512(dst + 16 * j, r[j]);
         }

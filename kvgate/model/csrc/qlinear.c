@@ -550,38 +550,14 @@ static inline __m512i decode64_zmm(const uint8_t* row, int type, int64_t k0, int
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
+#include "transpose_avx512.h" /* transpose16_in */
+
 /* dst[j][i] = r[i][j] for 16 x 16 32-bit values in registers (r is clobbered; dst's row
  * stride in elements). */
 static inline void transpose16_regs2(__m512i r[16], uint32_t* dst, uint32_t* dst8, int64_t ds);
 
 static inline void transpose16_regs(__m512i r[16], uint32_t* dst, int64_t ds) {
     transpose16_regs2(r, dst, dst + 8 * ds, ds);
-}
-
-/* r[j] := dword j of the 16 registers (lane i of the result: r[i]'s lane j), in registers. */
-static inline void transpose16_in(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int e = 0; e < 4; ++e) {
-        const __m512i a0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
-        const __m512i a1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
-        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
-        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
-        t[e] = _mm512_shuffle_i32x4(a0, b0, 0x88);
-        t[4 + e] = _mm512_shuffle_i32x4(a1, b1, 0x88);
-        t[8 + e] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
-        t[12 + e] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
-    }
-    for (int j = 0; j < 16; ++j) r[j] = t[j];
 }
 
 /* transpose16_regs with rows 8-15 of the result at dst8 (rows j >= 8 at dst8 + (j - 8) ds). */
