@@ -163,8 +163,9 @@ class PagedDecodeKernel:
     """ctypes front of the attention kernels (``paged_decode.c``); calls release the GIL.
 
     ``__call__``: paged decode, bf16 or float32. ``decode_quantized``: the same over int8 or
-    fp8 rows with their scales (``kv_codec.py``). ``causal_softmax``: the softmax of the
-    short-prompt prefill path, bf16 only (None when not compiled in).
+    fp8 rows with their scales (``kv_codec.py``). ``prefill``: every prompt slice of a step on
+    AMX tiles (``prefills`` says whether this build and CPU have them). ``causal_softmax``:
+    the softmax of the short-prompt prefill path, bf16 only (None when not compiled in).
     """
 
     def __init__(self, library: KernelLibrary) -> None:
