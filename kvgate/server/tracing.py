@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from opentelemetry import propagate
@@ -109,16 +109,27 @@ class Tracing:
             attributes["gen_ai.request.seed"] = p.seed
         if p.stop:
             attributes["gen_ai.request.stop_sequences"] = list(p.stop)
+        # The whole tree is stamped from time.monotonic() through one offset taken here, so
+        # the children nest inside the request span exactly: the wall clock a KVM guest's NTP
+        # slews can move by milliseconds between this instant and finish(). The span starts
+        # at the first choice's arrival (the requests are built before the span).
+        to_ns = _wall_clock_ns()
+        start = min([time.monotonic(), *(r.arrival_time for r in requests)])
         span = self.tracer.start_span(
-            f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+            f"{operation} {model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            start_time=to_ns(start),
         )
-        return _Span(self.tracer, span)
+        return _Span(self.tracer, span, to_ns)
 
 
 class _Span:
-    def __init__(self, tracer: Any, span: Span) -> None:
+    def __init__(self, tracer: Any, span: Span, to_ns: Callable[[float], int]) -> None:
         self.tracer = tracer
         self.span = span
+        self.to_ns = to_ns
         self.done = False
 
     def finish(
@@ -151,11 +162,11 @@ class _Span:
                 self._phases(context, i, m)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        span.end(end_time=self.to_ns(time.monotonic()))
 
     def _phases(self, context: Any, choice: int, m: RequestMetrics) -> None:
         """queue / prefill / decode spans from one choice's timeline."""
-        to_ns = _wall_clock_ns()
+        to_ns = self.to_ns
         end = m.finished_time if m.finished_time is not None else time.monotonic()
         scheduled, first_token = m.first_scheduled_time, m.first_token_time
         attrs = {"kvgate.choice": choice}
@@ -177,7 +188,7 @@ class _Span:
             child.end(end_time=to_ns(stop))
 
 
-def _wall_clock_ns() -> Any:
+def _wall_clock_ns() -> Callable[[float], int]:
     """time.monotonic() instants -> wall-clock nanoseconds (what spans are stamped with)."""
     offset = time.time_ns() - int(time.monotonic() * 1e9)
     return lambda t: int(t * 1e9) + offset

@@ -92,7 +92,7 @@ def test_request_span_tree(traced: tuple[InMemorySpanExporter, httpx.Client]) ->
         assert child.parent is not None and child.parent.span_id == root.context.span_id
         assert child.start_time is not None and child.end_time is not None
         assert root.start_time is not None and root.end_time is not None
-        assert root.start_time <= child.start_time + 5_000_000  # same clock, within 5 ms
+        assert root.start_time <= child.start_time  # one clock for the whole tree
         assert child.end_time <= root.end_time
     assert spans["queue"].end_time == spans["prefill"].start_time
     assert spans["prefill"].end_time == spans["decode"].start_time
