@@ -1,5 +1,6 @@
-"""Prefill attention of one layer: the AMX tiles (``prefill_amx.h``) against the PyTorch paths
-they replace, measured in the same run on the same pool.
+"""Prefill attention of one layer: the native kernel (``prefill_bf16.h``: AMX tiles, or
+vdpbf16ps on AVX-512 registers where the CPU has AVX512-BF16 and no AMX) against the PyTorch
+paths it replaces, measured in the same run on the same pool.
 
 A step's prompt slices (P prompts of L tokens, each after S tokens already in the pool) with
 K/V in a paged bf16 pool of scattered 16-token blocks, a model's head shape (query heads,
@@ -11,6 +12,7 @@ to bf16; the tiles keep them in float32).
 
     .venv/bin/python bench/prefill_attention.py
     .venv/bin/python bench/prefill_attention.py --heads 12 2 128 --cases 8x160+0 1x512+7680
+    .venv/bin/python bench/prefill_attention.py --native-max 0   # every case native
 """
 
 from __future__ import annotations
@@ -75,24 +77,33 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("HQ", "HKV", "D"))
     ap.add_argument("--cases", nargs="+", default=CASES, help="PxL+S each")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--native-max",
+        type=int,
+        default=None,
+        help="context x head size up to which a slice runs natively (default: the engine's "
+        "limit for this CPU; 0: no limit)",
+    )
     a = ap.parse_args()
     kernel = load_paged_decode()
     if kernel is None or not kernel.prefills:
-        raise SystemExit("no AMX tiles on this CPU (or the tile state was refused)")
+        raise SystemExit("no native prefill on this CPU (it needs AVX512-BF16)")
     torch.set_num_threads(2)
-    print(f"{cpu_isa.describe_cpu()}, {torch.get_num_threads()} threads; heads {a.heads}")
-    tiled_max = attention._TILED_PREFILL_MAX
+    path = "AMX tiles" if kernel.prefill_tiles else "AVX-512 registers"
+    print(f"{cpu_isa.describe_cpu()}, {torch.get_num_threads()} threads; heads {a.heads}; {path}")
+    tiled_max = attention.tiled_prefill_max(kernel) if a.native_max is None else a.native_max
+    tiled_max = tiled_max or 1 << 62
     for case in a.cases:
         num, rest = case.split("x")
         length, start = rest.split("+")
         s, kv = step((int(num), int(length), int(start)), a.heads, seed=len(case))
-        attention._TILED_PREFILL_MAX = 0
+        attention._TILED_PREFILL_MAX = attention._REGISTERS_PREFILL_MAX = 0
         torch_ms, ref = timed(s, kv, a.repeats)
-        attention._TILED_PREFILL_MAX = tiled_max
+        attention._TILED_PREFILL_MAX = attention._REGISTERS_PREFILL_MAX = tiled_max
         tiles_ms, got = timed(s, kv, a.repeats)
         diff = (got.float() - ref.float()).abs().max().item()
         print(
-            f"{case:>12}: PyTorch {torch_ms:7.2f} ms | tiles {tiles_ms:7.2f} ms | "
+            f"{case:>12}: PyTorch {torch_ms:7.2f} ms | native {tiles_ms:7.2f} ms | "
             f"{torch_ms / tiles_ms:5.2f}x | max |diff| {diff:.4f}",
             flush=True,
         )

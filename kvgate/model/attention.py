@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 #: cached tokens 1.6-1.7x SDPA's speed with SmolLM2's heads (9 / 3 x 64), 0.8-0.9x with
 #: Qwen2.5-1.5B's (12 / 2 x 128), 1.2-2.3x at 2.5k tokens (bench/prefill_attention.py).
 _TILED_PREFILL_MAX = 8192 * 64
+#: The same limit where the native prefill runs with vdpbf16ps on AVX-512 registers (no AMX
+#: tiles): against PyTorch's bf16 matmuls and SDPA without AMX it wins at every length
+#: measured, up to a 512-token chunk after 31k cached tokens (AMD EPYC Zen 4: 2.4x with
+#: SmolLM2's heads, 1.4x with Qwen2.5-1.5B's; 2.4-3.4x at 1k and below); past what was measured
+#: SDPA keeps it.
+_REGISTERS_PREFILL_MAX = 32768 * 128
 #: Fresh prompts up to this many tokens use ``_short_prefill`` (measured crossover ~300).
 _SHORT_PREFILL = 256
 #: A fresh prompt up to this many tokens longer runs its first ``_SHORT_PREFILL`` on that
@@ -255,6 +261,11 @@ class AttentionBackend(Protocol):
         ...
 
 
+def tiled_prefill_max(kernel: PagedDecodeKernel) -> int:
+    """Context x head size up to which a prefill slice runs natively on this kernel's path."""
+    return _TILED_PREFILL_MAX if kernel.prefill_tiles else _REGISTERS_PREFILL_MAX
+
+
 class TorchAttention:
     """Paged attention in plain PyTorch: batched decode, per-sequence prefill.
 
@@ -419,13 +430,14 @@ class TorchAttention:
         meta: AttentionMetadata,
         window: int | None,
     ) -> tuple[torch.Tensor | None, Sequence[PrefillSlice]]:
-        """The step's prefill slices in one native call on AMX tiles (``prefill_amx.h``), K/V
-        read from the pool where they are: no gather, no per-slice PyTorch calls, only the
-        causal keys; int8 and fp8 rows decoded as the decode kernel decodes them. Returns
-        the step's output with those slices' rows written (None: none was), and the slices
-        left to the PyTorch paths: all of them without tiles or for a float32 model, else
-        those reading from past position 0, longer than the window, or whose context times
-        the head size passes ``_TILED_PREFILL_MAX``. Decode rows are the caller's. Each
+        """The step's prefill slices in one native call (``prefill_bf16.h``: AMX tiles, or
+        vdpbf16ps on AVX-512 registers), K/V read from the pool where they are: no gather, no
+        per-slice PyTorch calls, only the causal keys; int8 and fp8 rows decoded as the
+        decode kernel decodes them. Returns the step's output with those slices' rows
+        written (None: none was), and the slices left to the PyTorch paths: all of them
+        without AVX512-BF16 or for a float32 model, else those reading from past position
+        0, longer than the window, or whose context times the head size passes
+        ``tiled_prefill_max``. Decode rows are the caller's. Each
         slice goes one way whatever else the step holds, so its rows do not depend on it."""
         kernel, codec = self.decode_kernel, self.codec
         layout = self.native_layout(k_cache, v_cache)  # contiguous [Hkv, N, BS, row], K and V
@@ -442,8 +454,9 @@ class TorchAttention:
             return None, meta.prefills
         tiled: list[PrefillSlice] = []
         rest: list[PrefillSlice] = []
+        limit = tiled_prefill_max(kernel)
         for p in meta.prefills:
-            fits = p.context_len * self.head_dim <= _TILED_PREFILL_MAX and (
+            fits = p.context_len * self.head_dim <= limit and (
                 window is None or p.context_len <= window
             )
             (tiled if fits and not p.kv_start else rest).append(p)

@@ -164,8 +164,9 @@ class PagedDecodeKernel:
 
     ``__call__``: paged decode, bf16 or float32. ``decode_quantized``: the same over int8 or
     fp8 rows with their scales (``kv_codec.py``). ``prefill``: every prompt slice of a step on
-    AMX tiles (``prefills`` says whether this build and CPU have them). ``causal_softmax``:
-    the softmax of the short-prompt prefill path, bf16 only (None when not compiled in).
+    AMX tiles or AVX-512 registers (``prefills`` says whether this build has them).
+    ``causal_softmax``: the softmax of the short-prompt prefill path, bf16 only (None when not
+    compiled in).
     """
 
     def __init__(self, library: KernelLibrary) -> None:
@@ -208,8 +209,11 @@ class PagedDecodeKernel:
         self._prefill.argtypes = [*([ctypes.c_void_p] * 6), *([ctypes.c_int] * 4)]
         self._prefill.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int64]
         self._prefill.argtypes += [ctypes.c_int, ctypes.c_void_p]
-        #: ``prefill`` runs (AMX tiles, the tile state granted); False: callers use PyTorch.
-        self.prefills = bool(lib.prefill_attention_ready())
+        ready = int(lib.prefill_attention_ready())
+        #: ``prefill`` runs (AVX512-BF16 builds); False: callers use PyTorch.
+        self.prefills = ready > 0
+        #: ``prefill`` runs on AMX tiles (the tile state granted), not on AVX-512 registers.
+        self.prefill_tiles = ready == 2
         self._rows = lib.decode_rows_q8_bf16
         self._rows.restype = ctypes.c_int
         self._rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -272,9 +276,10 @@ class PagedDecodeKernel:
         groups: int = 0,  # quantized rows (``kv_codec.py``): their scales a row; 0: bf16
         fp8: bool = False,
     ) -> torch.Tensor | None:
-        """Causal attention of every prefill slice of a step on AMX tiles, into a new
-        [T, Hq, D] tensor whose other rows (decodes) are left for the caller; None where the
-        kernel refuses (no tiles, a head size it does not take)."""
+        """Causal attention of every prefill slice of a step (``prefill_bf16.h``: AMX tiles,
+        or vdpbf16ps on AVX-512), into a new [T, Hq, D] tensor whose other rows (decodes) are
+        left for the caller; None where the kernel refuses (no AVX512-BF16, a head size it
+        does not take)."""
         hq, d = q.shape[1], q.shape[2]
         hkv, n, bs, _ = k_cache.shape
         q = q.contiguous()

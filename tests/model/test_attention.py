@@ -17,6 +17,12 @@ from kvgate.model.cpu_kernels import PagedDecodeKernel, load_paged_decode
 from kvgate.model.kv_codec import KVCodec
 from kvgate.sampling_params import SamplingParams
 from kvgate.tokenizer import Tokenizer
+from tests.model.isa import vector_levels
+
+#: The levels whose builds run the native prefill (``prefill_bf16.h``): on AMX tiles, or with
+#: vdpbf16ps on AVX-512 registers; an AMX machine tests both.
+PREFILL_LEVELS = [lv for lv in vector_levels() if lv in ("amx", "avx512bf16")]
+prefill_levels = pytest.mark.parametrize("level", PREFILL_LEVELS or ["none"])
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -54,10 +60,11 @@ def test_a_fresh_prompt_is_causal_attention_on_every_path(length: int, dtype: to
             torch.testing.assert_close(got.double(), exact, atol=3e-2, rtol=3e-2)
 
 
-def _tiles() -> PagedDecodeKernel:
-    kernel = load_paged_decode()
+def _tiles(level: str | None = None) -> PagedDecodeKernel:
+    """The native prefill of the build for ``level`` (None: this CPU's default)."""
+    kernel = None if level == "none" else load_paged_decode(level)
     if kernel is None or not kernel.prefills:
-        pytest.skip("no AMX tiles here: prefills stay on PyTorch's paths")
+        pytest.skip("no AVX512-BF16 here: prefills stay on PyTorch's paths")
     return kernel
 
 
@@ -96,19 +103,20 @@ def _context(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     return cache[:, table].reshape(hkv, -1, d)[:, :n].transpose(0, 1)
 
 
+@prefill_levels
 @pytest.mark.parametrize("kv", [None, "int8", "fp8"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "bs"),
     [(9, 3, 64, 16), (12, 2, 128, 16), (4, 1, 256, 16), (8, 8, 32, 8), (6, 1, 64, 32)],
 )
 def test_tiled_prefill_is_causal_attention_over_the_pool(
-    heads: int, kv_heads: int, d: int, bs: int, kv: str | None
+    heads: int, kv_heads: int, d: int, bs: int, kv: str | None, level: str
 ) -> None:
-    """Every slice of a step at once on AMX tiles, reading K/V from scattered pool blocks:
-    fresh prompts and chunks after cached context, lengths on and off the 16-row tiles and
-    the 64-row work items, against exact causal attention of each row over its context (for
-    int8 / fp8 rows: over the values ``KVCodec.decode`` gives)."""
-    kernel = _tiles()
+    """Every slice of a step at once natively (AMX tiles or AVX-512 registers), reading K/V
+    from scattered pool blocks: fresh prompts and chunks after cached context, lengths on and
+    off the 16-row tiles and the 64-row work items, against exact causal attention of each
+    row over its context (for int8 / fp8 rows: over the values ``KVCodec.decode`` gives)."""
+    kernel = _tiles(level)
     lens = [(0, 1), (0, 15), (0, 17), (0, 64), (0, 65), (5, 3), (16, 33), (100, 200), (31, 1)]
     k_cache, v_cache, tables, meta = _pool_step(lens, kv_heads, d, bs, seed=heads * d)
     codec = None if kv is None else KVCodec(kv, torch.bfloat16)
@@ -138,13 +146,14 @@ def test_tiled_prefill_is_causal_attention_over_the_pool(
     assert torch.equal(got[:1], attention._decode(q[:1], k_cache, v_cache, meta))
 
 
+@prefill_levels
 def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, level: str
 ) -> None:
     """A prompt's rows come out bit-identical whole, in chunks of any size after cached
     context, or next to other prompts, also next to one the tiles leave to PyTorch: each
     row reads only its own q and causal keys."""
-    kernel = _tiles()
+    kernel = _tiles(level)
     heads, kv_heads, d, bs = 9, 3, 64, 16
     k_cache, v_cache, tables, _ = _pool_step([(0, 150), (150, 50)], kv_heads, d, bs, seed=7)
     q = torch.randn(150, heads, d, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -172,7 +181,8 @@ def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch(
 
     # Beside a chunk whose context (200 keys) passes the limit: that chunk goes to PyTorch
     # (SDPA over its gathered context), the prompt's rows stay on the tiles, unchanged.
-    monkeypatch.setattr(attention_module, "_TILED_PREFILL_MAX", 150 * d)
+    for limit in ("_TILED_PREFILL_MAX", "_REGISTERS_PREFILL_MAX"):
+        monkeypatch.setattr(attention_module, limit, 150 * d)
     long_q = torch.randn(50, heads, d, generator=torch.Generator().manual_seed(3)).bfloat16()
     long = PrefillSlice(0, 50, 150, tables[1])
     empty = torch.empty(0, dtype=torch.long)
@@ -183,7 +193,8 @@ def test_a_tiled_prefill_row_does_not_depend_on_its_chunk_or_its_batch(
     assert torch.equal(both[50:], whole)
     alone = AttentionMetadata(empty, 0, empty, empty, (long,))
     assert torch.equal(both[:50], attention.attend(long_q, q, q, k_cache, v_cache, alone))
-    monkeypatch.setattr(attention_module, "_TILED_PREFILL_MAX", 0)
+    for limit in ("_TILED_PREFILL_MAX", "_REGISTERS_PREFILL_MAX"):
+        monkeypatch.setattr(attention_module, limit, 0)
     assert torch.equal(both[:50], attention.attend(long_q, q, q, k_cache, v_cache, alone))
 
 

@@ -243,7 +243,7 @@ static inline void q8_block_to_bf16(const uint8_t* src, uint16_t* dst, int n, in
     }
 }
 
-#include "prefill_amx.h" /* after q8_block_to_bf16, which it reads quantized rows with */
+#include "prefill_bf16.h" /* after q8_block_to_bf16, which it reads quantized rows with */
 
 /* kc / vc: bf16 rows [Hkv, N, BS, D]; or, with NG > 0, quantized rows [Hkv, N, BS, D + 4 NG]
  * bytes (kq / vq), each block decoded to bf16 in a scratch first (1 byte a value read from
@@ -977,16 +977,16 @@ int paged_decode_f32(const float* q, const float* kc, const float* vc, const int
                                     max_blocks, scale);
 }
 
-/* Causal prefill attention of every slice of a step over the paged pool (prefill_amx.h),
+/* Causal prefill attention of every slice of a step over the paged pool (prefill_bf16.h),
  * bf16 rows (NG = 0) or int8 / fp8 rows with NG scales each (kv_codec.py): 0, or -1 where
- * this build or CPU has no tile path (the caller keeps PyTorch's). */
+ * this build has no AVX512-BF16 path (the caller keeps PyTorch's). */
 int prefill_attention_bf16(const uint16_t* q, const void* kc, const void* vc,
                            const int64_t* slices, const int64_t* tables, uint16_t* out, int S,
                            int Hkv, int G, int D, int64_t N, int BS, float scale,
                            int64_t max_keys, int NG, const float* fp8) {
-#ifdef KVGATE_AMX
-    return prefill_attention_amx(q, kc, vc, slices, tables, out, S, Hkv, G, D, N, BS, scale,
-                                 max_keys, NG, fp8);
+#ifdef KVGATE_AVX512BF16
+    return prefill_attention_tiles(q, kc, vc, slices, tables, out, S, Hkv, G, D, N, BS, scale,
+                                   max_keys, NG, fp8);
 #else
     (void)q; (void)kc; (void)vc; (void)slices; (void)tables; (void)out; (void)S; (void)Hkv;
     (void)G; (void)D; (void)N; (void)BS; (void)scale; (void)max_keys; (void)NG; (void)fp8;
@@ -994,10 +994,13 @@ int prefill_attention_bf16(const uint16_t* q, const void* kc, const void* vc,
 #endif
 }
 
-/* 1 where prefill_attention_bf16 runs on tiles. */
+/* How prefill_attention_bf16 runs: 2 on AMX tiles, 1 with vdpbf16ps on AVX-512 registers,
+ * 0 not at all (this build has no AVX512-BF16). */
 int prefill_attention_ready(void) {
-#ifdef KVGATE_AMX
-    return amx_ready;
+#if defined(KVGATE_AMX)
+    return amx_ready ? 2 : 1;
+#elif defined(KVGATE_AVX512BF16)
+    return 1;
 #else
     return 0;
 #endif

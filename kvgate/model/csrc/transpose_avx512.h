@@ -1,5 +1,5 @@
 /* A 16 x 16 transpose of 32-bit values in AVX-512 registers, shared by the kernels that lay
- * out tile or panel operands (qlinear.c, prefill_amx.h). Include only in code compiled for
+ * out tile or panel operands (qlinear.c, prefill_bf16.h). Include only in code compiled for
  * AVX-512. */
 #ifndef KVGATE_TRANSPOSE_AVX512_H
 #define KVGATE_TRANSPOSE_AVX512_H

@@ -1,7 +1,11 @@
-/* Causal prefill attention on AMX-BF16 tiles, reading K/V straight from the paged pool: every
- * prompt (or prompt chunk) of a step in one call. Included by paged_decode.c (after
- * math_avx512.h); compiled only in the amx build (KVGATE_AMX), refused (-1) elsewhere or where
- * the tile state was refused (amx_ready), and the caller keeps PyTorch's matmul paths.
+/* Causal prefill attention in bf16, reading K/V straight from the paged pool: every prompt
+ * (or prompt chunk) of a step in one call. Included by paged_decode.c (after math_avx512.h and
+ * q8_block_to_bf16) in its AVX512-BF16 builds: on AMX-BF16 tiles where the build has them and
+ * the tile state was granted (amx_ready), with vdpbf16ps on AVX-512 registers otherwise (Zen 4,
+ * Cooper Lake, a Xeon whose hypervisor hides the tiles). Both read the same operand layouts and
+ * round where the other does; their sums run in different orders, so they agree to float32
+ * rounding, not bit for bit. Elsewhere prefill_attention_bf16 refuses (-1) and the caller keeps
+ * PyTorch's matmul paths.
  *
  * Layouts (row-major):
  *   q, out     [T, Hkv * G, D] bf16, the step's rows
@@ -13,24 +17,27 @@
  *              its first block)
  * Row r of a slice sits at position start_pos + r and sees keys 0 .. start_pos + r.
  *
- * Work items are (slice, KV head, block of rows: pf_item_rows). An item lays out its keys once for
- * the tiles, for all its rows and the G query heads of its KV head:
- *   kt  K as B operands of S = Q K^T: per 16 keys and 32 dims a 16 x 16 dword transpose
- *       (row j: the pair of dims 2j, 2j + 1 of each of the 16 keys);
- *   vi  V as B operands of O = P V: per 32 keys and 16 dims, row j holds keys 2j and 2j + 1
- *       interleaved (dims in order).
- * Then per query head and 16 rows: S on tiles (float32, into a scratch row per query),
- * softmax per row over its causal keys in float32 with the probabilities rounded to bf16 (as
- * the PyTorch paths round them before their P V matmul), O on tiles, rounded to bf16 once.
- * Keys past a row's position are never read by its softmax, and get probability 0.
+ * Work items are (slice, KV head, block of rows: pf_item_rows). An item lays out its keys once,
+ * for all its rows and the G query heads of its KV head, as the tiles' B operands (which are
+ * also what one vdpbf16ps takes for 16 keys or 16 dims):
+ *   kt  K for S = Q K^T: per 16 keys and 32 dims a 16 x 16 dword transpose (row j: the pair
+ *       of dims 2j, 2j + 1 of each of the 16 keys);
+ *   vi  V for O = P V: per 32 keys and 16 dims, row j holds keys 2j and 2j + 1 interleaved
+ *       (dims in order).
+ * Then per query head and 16 rows: S (float32, into a scratch row per query), softmax per row
+ * over its causal keys in float32 with the probabilities rounded to bf16 (as the PyTorch paths
+ * round them before their P V matmul), O, rounded to bf16 once. Keys past a row's position are
+ * never read by its softmax, and get probability 0. A row's sums run over its own q and keys
+ * in one order whatever else the step holds: its output does not depend on the batch.
  */
-#ifndef KVGATE_PREFILL_AMX_H
-#define KVGATE_PREFILL_AMX_H
+#ifndef KVGATE_PREFILL_BF16_H
+#define KVGATE_PREFILL_BF16_H
 
-#ifdef KVGATE_AMX
 #include <stdlib.h>
 
+#ifdef KVGATE_AMX
 #include "amx.h"
+#endif
 #include "transpose_avx512.h"
 
 /* Query rows of a work item: 64 (enough items for every thread on short prompts); 256 from
@@ -107,14 +114,13 @@ static void pf_layout(const pf_cache* kc, const pf_cache* vc, const int64_t* tab
     }
 }
 
-/* One query head's rows [r0, r0 + rows) of a slice (rows <= 16): S, softmax, O. qs: the 16
- * rows of q [16, D] (zero past rows); s [16, ss] float32 and p [16, ps] bf16 scratch. */
-static void pf_rows(const uint16_t* qs, const uint32_t* kt, const uint32_t* vi, int64_t pos0,
-                    int rows, int D, float scale, float* s, int64_t ss, uint16_t* p,
-                    int64_t ps, uint16_t* out, int64_t out_stride) {
-    const int DS = D / 32, DC = D / 16;
-    const int64_t nk = pos0 + rows; /* keys of the last row */
-    const int64_t nkt = (nk + 15) / 16, nks = (nk + 31) / 32;
+/* The scores of 16 query rows qs [16, D] against keys [0, nk): s [16, ss] float32, unscaled,
+ * written for whole tiles of 16 keys. */
+#ifdef KVGATE_AMX
+static void pf_scores_amx(const uint16_t* qs, const uint32_t* kt, int64_t nk, int D, float* s,
+                          int64_t ss) {
+    const int DS = D / 32;
+    const int64_t nkt = (nk + 15) / 16;
     /* S = Q K^T, 4 tiles of 16 keys at a time (C in tiles 0-3, Q in 4, K in 5) */
     for (int64_t t0 = 0; t0 < nkt; t0 += 4) {
         const int nt = nkt - t0 < 4 ? (int)(nkt - t0) : 4;
@@ -148,38 +154,12 @@ static void pf_rows(const uint16_t* qs, const uint32_t* kt, const uint32_t* vi, 
             }
         }
     }
-    /* softmax of each row over keys 0 .. pos0 + m, probabilities rounded to bf16; zeros to
-     * the end of the last 32 keys the P V tiles read (and whole rows past `rows`) */
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int m = 0; m < 16; ++m) {
-        float* sr = s + m * ss;
-        uint16_t* pr = p + m * ps;
-        const int64_t valid = m < rows ? pos0 + m + 1 : 0;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t c = 0; c < valid; c += 16) {
-            const __mmask16 k =
-                (__mmask16)(valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + c), sc);
-            _mm512_storeu_ps(sr + c, v);
-            mx = _mm512_mask_max_ps(mx, k, mx, v);
-        }
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t c = 0; c < valid; c += 16) {
-            const __mmask16 k =
-                (__mmask16)(valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv)));
-            _mm512_storeu_ps(sr + c, e);
-            total = _mm512_add_ps(total, e);
-        }
-        const __m512 inv = _mm512_set1_ps(valid ? 1.f / _mm512_reduce_add_ps(total) : 0.f);
-        for (int64_t c = 0; c < 32 * nks; c += 16) {
-            const __mmask16 live = (__mmask16)(c >= valid ? 0
-                : valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
-            const __m512 pv = _mm512_maskz_mul_ps(live, _mm512_loadu_ps(sr + c), inv);
-            _mm256_storeu_si256((__m256i*)(pr + c), (__m256i)_mm512_cvtneps_pbh(pv));
-        }
-    }
+}
+
+/* o [rows, D] bf16 (row stride out_stride) = p [16, ps] bf16 x V, over nks runs of 32 keys. */
+static void pf_values_amx(const uint16_t* p, int64_t ps, const uint32_t* vi, int64_t nks,
+                          int rows, int D, uint16_t* out, int64_t out_stride) {
+    const int DC = D / 16;
     /* O = P V, 4 tiles of 16 dims at a time (C in 0-3, P in 4, V in 5) */
     float o[16 * 64] __attribute__((aligned(64)));
     for (int d0 = 0; d0 < DC; d0 += 4) {
@@ -218,12 +198,131 @@ static void pf_rows(const uint16_t* qs, const uint32_t* kt, const uint32_t* vi, 
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(o + 64 * m + 16 * i)));
     }
 }
+#endif
 
-static int prefill_attention_amx(const uint16_t* q, const void* kc, const void* vc,
+/* pf_scores_amx on AVX-512 registers: per 16 keys, 16 accumulators (one a row); a K dword
+ * (two dims of 16 keys) loaded once for the 16 rows, each row's q pair broadcast. */
+static void pf_scores_avx512(const uint16_t* qs, const uint32_t* kt, int64_t nk, int D,
+                             float* s, int64_t ss) {
+    const int DS = D / 32;
+    const int64_t nkt = (nk + 15) / 16;
+    const uint32_t* qd = (const uint32_t*)qs; /* row m, dims 2i, 2i + 1: qd[m * D / 2 + i] */
+    for (int64_t t = 0; t < nkt; ++t) {
+        __m512 acc[16];
+        for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+        for (int ds = 0; ds < DS; ++ds) {
+            const uint32_t* kd = kt + (t * DS + ds) * 256;
+            for (int j = 0; j < 16; ++j) {
+                const __m512bh k = (__m512bh)_mm512_load_si512(kd + 16 * j);
+                for (int m = 0; m < 16; ++m)
+                    acc[m] = _mm512_dpbf16_ps(
+                        acc[m], (__m512bh)_mm512_set1_epi32((int)qd[m * (D / 2) + 16 * ds + j]), k);
+            }
+        }
+        for (int m = 0; m < 16; ++m) _mm512_storeu_ps(s + m * ss + 16 * t, acc[m]);
+    }
+}
+
+/* pf_values_amx on AVX-512 registers: 4 rows x 64 dims at a time (16 accumulators); per key
+ * pair, 4 V dwords loaded once for the 4 rows, each row's pair of probabilities broadcast. */
+static void pf_values_avx512(const uint16_t* p, int64_t ps, const uint32_t* vi, int64_t nks,
+                             int rows, int D, uint16_t* out, int64_t out_stride) {
+    const int DC = D / 16;
+    for (int m0 = 0; m0 < rows; m0 += 4) {
+        const int nm = rows - m0 < 4 ? rows - m0 : 4;
+        for (int d0 = 0; d0 < DC; d0 += 4) {
+            const int nd = DC - d0 < 4 ? DC - d0 : 4;
+            __m512 acc[4][4];
+            for (int m = 0; m < 4; ++m)
+                for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+            for (int64_t ks = 0; ks < nks; ++ks) {
+                for (int j = 0; j < 16; ++j) {
+                    __m512bh v[4];
+                    for (int i = 0; i < nd; ++i)
+                        v[i] = (__m512bh)_mm512_load_si512(vi + (ks * DC + d0 + i) * 256 + 16 * j);
+                    for (int m = 0; m < nm; ++m) {
+                        uint32_t pair;
+                        memcpy(&pair, p + (m0 + m) * ps + 32 * ks + 2 * j, 4);
+                        const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pair);
+                        for (int i = 0; i < nd; ++i)
+                            acc[m][i] = _mm512_dpbf16_ps(acc[m][i], pb, v[i]);
+                    }
+                }
+            }
+            for (int m = 0; m < nm; ++m)
+                for (int i = 0; i < nd; ++i)
+                    _mm256_storeu_si256(
+                        (__m256i*)(out + (m0 + m) * out_stride + 16 * (d0 + i)),
+                        (__m256i)_mm512_cvtneps_pbh(acc[m][i]));
+        }
+    }
+}
+
+/* One query head's rows [r0, r0 + rows) of a slice (rows <= 16): S, softmax, O. qs: the 16
+ * rows of q [16, D] (zero past rows); s [16, ss] float32 and p [16, ps] bf16 scratch. */
+static void pf_rows(int tiles, const uint16_t* qs, const uint32_t* kt, const uint32_t* vi,
+                    int64_t pos0, int rows, int D, float scale, float* s, int64_t ss,
+                    uint16_t* p, int64_t ps, uint16_t* out, int64_t out_stride) {
+    const int64_t nk = pos0 + rows; /* keys of the last row */
+    const int64_t nks = (nk + 31) / 32;
+#ifdef KVGATE_AMX
+    if (tiles)
+        pf_scores_amx(qs, kt, nk, D, s, ss);
+    else
+#endif
+        pf_scores_avx512(qs, kt, nk, D, s, ss);
+    /* softmax of each row over keys 0 .. pos0 + m, probabilities rounded to bf16; zeros to
+     * the end of the last 32 keys the P V tiles read (and whole rows past `rows`) */
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int m = 0; m < 16; ++m) {
+        float* sr = s + m * ss;
+        uint16_t* pr = p + m * ps;
+        const int64_t valid = m < rows ? pos0 + m + 1 : 0;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t c = 0; c < valid; c += 16) {
+            const __mmask16 k =
+                (__mmask16)(valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + c), sc);
+            _mm512_storeu_ps(sr + c, v);
+            mx = _mm512_mask_max_ps(mx, k, mx, v);
+        }
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t c = 0; c < valid; c += 16) {
+            const __mmask16 k =
+                (__mmask16)(valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv)));
+            _mm512_storeu_ps(sr + c, e);
+            total = _mm512_add_ps(total, e);
+        }
+        const __m512 inv = _mm512_set1_ps(valid ? 1.f / _mm512_reduce_add_ps(total) : 0.f);
+        for (int64_t c = 0; c < 32 * nks; c += 16) {
+            const __mmask16 live = (__mmask16)(c >= valid ? 0
+                : valid - c >= 16 ? 0xffff : (1u << (valid - c)) - 1);
+            const __m512 pv = _mm512_maskz_mul_ps(live, _mm512_loadu_ps(sr + c), inv);
+            _mm256_storeu_si256((__m256i*)(pr + c), (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+    }
+#ifdef KVGATE_AMX
+    if (tiles) {
+        pf_values_amx(p, ps, vi, nks, rows, D, out, out_stride);
+        return;
+    }
+#endif
+    (void)tiles;
+    pf_values_avx512(p, ps, vi, nks, rows, D, out, out_stride);
+}
+
+static int prefill_attention_tiles(const uint16_t* q, const void* kc, const void* vc,
                                  const int64_t* slices, const int64_t* tables, uint16_t* out,
                                  int S, int Hkv, int G, int D, int64_t N, int BS, float scale,
                                  int64_t max_keys, int NG, const float* fp8) {
-    if (!amx_ready || D % 32 || D > 256 || S <= 0 || (NG && D % NG)) return -1;
+    if (D % 32 || D > 256 || S <= 0 || (NG && D % NG)) return -1;
+#ifdef KVGATE_AMX
+    const int tiles = amx_ready;
+#else
+    const int tiles = 0;
+#endif
     const pf_cache kcache = {kc, N, BS, D, NG, fp8}, vcache = {vc, N, BS, D, NG, fp8};
     const int64_t QB = pf_item_rows(max_keys);
     int64_t items = 0;
@@ -254,7 +353,9 @@ static int prefill_attention_amx(const uint16_t* q, const void* kc, const void* 
             #pragma omp atomic write
             failed = 1;
         }
-        amx_configure_2x2(16, 16);
+#ifdef KVGATE_AMX
+        if (tiles) amx_configure_2x2(16, 16);
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             if (!buf) continue;
@@ -280,16 +381,16 @@ static int prefill_attention_amx(const uint16_t* q, const void* kc, const void* 
                         else
                             memset(qs + m * D, 0, (size_t)D * 2);
                     }
-                    pf_rows(qs, kt, vi, sl[2] + t, rows, D, scale, sbuf, kpad, pbuf, kpad,
+                    pf_rows(tiles, qs, kt, vi, sl[2] + t, rows, D, scale, sbuf, kpad, pbuf, kpad,
                             out + ((sl[0] + t) * Hq + h * G + g) * D, (int64_t)Hq * D);
                 }
             }
         }
-        _tile_release();
+#ifdef KVGATE_AMX
+        if (tiles) _tile_release();
+#endif
     }
     free(work);
     return failed ? -1 : 0;
 }
-#endif
-
 #endif
