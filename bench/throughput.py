@@ -210,11 +210,12 @@ def main() -> None:
         rows.append(
             {"concurrency": n, "kvgate_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs}
         )
-        print(
-            f"n={n:3d}: kvgate {ours:7.1f} tok/s   transformers {theirs:7.1f} tok/s   "
-            f"ratio {ours / theirs:.2f}x",
-            flush=True,
+        peer = (
+            f"   transformers {theirs:7.1f} tok/s   ratio {ours / theirs:.2f}x"
+            if hf is not None
+            else ""
         )
+        print(f"n={n:3d}: kvgate {ours:7.1f} tok/s{peer}", flush=True)
 
     print("\n== ratios ==")
     print(f"batch-1 decode / copy-bandwidth bound: {decode / bound:.2f} ({decode:.1f}/{bound:.0f})")
@@ -222,7 +223,7 @@ def main() -> None:
         f"batch-1 decode / read-bandwidth bound: {decode / strict_bound:.2f} "
         f"({decode:.1f}/{strict_bound:.0f})"
     )
-    for r in rows:
+    for r in rows if hf is not None else []:  # --no-hf: no peer, no ratio
         print(f"kvgate / transformers at {r['concurrency']:3d} sequences: {r['ratio']:.2f}x")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
