@@ -3,8 +3,9 @@
  *
  *   KVGATE_AMX         AMX-TILE + AMX-BF16 (Sapphire Rapids and later), on top of AVX512-BF16:
  *                      tdpbf16ps on 16 x 16 tiles. linear.c (bf16) and qlinear.c (AMX-INT8's
- *                      tdpbsud) have paths of their own here; the other libraries of the amx
- *                      level run, and report, avx512bf16.
+ *                      tdpbsud) have paths of their own here, and report amx; paged_decode.c's
+ *                      prefill attention runs on tiles here (prefill_bf16.h) while the library
+ *                      reports avx512bf16 like the others of the amx level.
  *   KVGATE_AVX512BF16  AVX512F + AVX512-BF16: vdpbf16ps on bf16 pairs, 16 fp32 lanes
  *   KVGATE_AVX2        AVX2 + FMA: 8 fp32 lanes, bf16 widened in registers. Also defined in
  *                      the AVX-512 builds (those CPUs run AVX2), where an op has no
