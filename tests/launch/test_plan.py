@@ -24,6 +24,8 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.entrypoints.cli import main
 from kvgate.errors import InvalidConfig, KVCacheTooSmall, ModelNotFound
 from kvgate.launch.plan import Plan, allocation, log_plan, plan_for, render
+from kvgate.model.cpu_kernels import CpuKernels
+from kvgate.model.precision import native_blocks_min_bytes
 from kvgate.model.registry import resolve_model_path
 from tests.conftest import tiny_engine_config
 from tests.model.test_gguf_quantized import _model
@@ -100,14 +102,19 @@ def test_a_gguf_with_block_matrices_kept_or_dequantized(
 ) -> None:
     """``qwen2-mixed``: every native block type, one Q2_K and one F16 matrix (their fused
     layers go dense), q/k/v biases, an untied head. ``auto``: the tiny model is far under the
-    size from which blocks stay native, so they are dequantized."""
+    size from which blocks stay native where this CPU's kernels have a size limit, so they are
+    dequantized there (and kept native where every size is, the VNNI blocks beside the
+    AVX-512 bf16 linear: ``precision.NATIVE_BLOCKS_MIN_BYTES_BY_PATH``)."""
     path = _model(tmp_path, name)
     config = EngineConfig(
         model=str(path), gguf_blocks=blocks, kv_cache_memory="16MiB", max_model_len=256
     )
     plan = _plan(config)
-    if blocks != "native":
+    every_size = native_blocks_min_bytes(CpuKernels.probe(enabled=True).paths()) == 0
+    if blocks == "dequantize" or (blocks == "auto" and not every_size):
         assert "dequantized" in plan.weights.why
+    elif blocks == "auto":
+        assert "kept native" in plan.weights.why
     _check(plan, _engine_of(plan, config))
 
 
