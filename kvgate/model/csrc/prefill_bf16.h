@@ -114,6 +114,20 @@ static void pf_layout(const pf_cache* kc, const pf_cache* vc, const int64_t* tab
     }
 }
 
+#ifdef KVGATE_AMX
+/* Zero the first n (<= 4) accumulator tiles, 0-3 (tile numbers are immediates). */
+static inline void pf_tiles_zero(int n) {
+    for (int i = 0; i < n; ++i) {
+        switch (i) {
+            case 0: _tile_zero(0); break;
+            case 1: _tile_zero(1); break;
+            case 2: _tile_zero(2); break;
+            default: _tile_zero(3); break;
+        }
+    }
+}
+#endif
+
 /* The scores of 16 query rows qs [16, D] against keys [0, nk): s [16, ss] float32, unscaled,
  * written for whole tiles of 16 keys. */
 #ifdef KVGATE_AMX
@@ -124,14 +138,7 @@ static void pf_scores_amx(const uint16_t* qs, const uint32_t* kt, int64_t nk, in
     /* S = Q K^T, 4 tiles of 16 keys at a time (C in tiles 0-3, Q in 4, K in 5) */
     for (int64_t t0 = 0; t0 < nkt; t0 += 4) {
         const int nt = nkt - t0 < 4 ? (int)(nkt - t0) : 4;
-        for (int i = 0; i < nt; ++i) {
-            switch (i) { /* tile numbers are immediates */
-                case 0: _tile_zero(0); break;
-                case 1: _tile_zero(1); break;
-                case 2: _tile_zero(2); break;
-                default: _tile_zero(3); break;
-            }
-        }
+        pf_tiles_zero(nt);
         for (int ds = 0; ds < DS; ++ds) {
             _tile_loadd(4, qs + 32 * ds, D * 2);
             for (int i = 0; i < nt; ++i) {
@@ -164,14 +171,7 @@ static void pf_values_amx(const uint16_t* p, int64_t ps, const uint32_t* vi, int
     float o[16 * 64] __attribute__((aligned(64)));
     for (int d0 = 0; d0 < DC; d0 += 4) {
         const int nd = DC - d0 < 4 ? DC - d0 : 4;
-        for (int i = 0; i < nd; ++i) {
-            switch (i) {
-                case 0: _tile_zero(0); break;
-                case 1: _tile_zero(1); break;
-                case 2: _tile_zero(2); break;
-                default: _tile_zero(3); break;
-            }
-        }
+        pf_tiles_zero(nd);
         for (int64_t ks = 0; ks < nks; ++ks) {
             _tile_loadd(4, p + 32 * ks, ps * 2);
             for (int i = 0; i < nd; ++i) {
