@@ -33,7 +33,7 @@
  * int8 x (whole multiples of 16 rows), each block decoding the columns again. AVX512-VNNI:
  * panels of 16 columns interleaved for x broadcast into vpdpbusd (qlinear_panels), or for
  * one row, the same sums without interleaving (qlinear_row1; whole panels of Q4_K or Q6_K by
- * row1_run, 128 inputs per load and the scales of 16 rows gathered at once); for 2-15 rows,
+ * row1_run, 128 inputs per load and the scales of 16 rows loaded at once); for 2-15 rows,
  * whole panels of Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 decoded in registers and multiplied there
  * (qlinear_few: 2 rows of Q4_K cost 1.1x one row, 8 rows 1.3x, against 1.5x and 2.1x through a
  * stored panel). AVX2: up to 8
@@ -651,7 +651,7 @@ static inline void panel_scales(const panel_rows* pr, int64_t k0, int64_t K, flo
  * qlinear_row1's arithmetic (the same exact group sums, the same float32 steps in the same
  * order: bit-identical outputs) for a panel whose 16 rows are one run of one segment of
  * Q4_K or Q6_K, the types of Q4_K_M files. What it saves per 16 columns x 256 inputs: the
- * scales are gathered and decoded 16 columns at a time, lanes already the columns (no
+ * scales are loaded and decoded 16 columns at a time, lanes already the columns (no
  * per-column decode and no 16 x 16 transposes: ~100 instructions instead of ~460), and a
  * column's bytes are decoded 128 at a time from one 64-byte load with no per-column type
  * dispatch. Q4_K's 64-byte runs of nibbles hold sub-blocks (0, 2) in their low nibbles and
@@ -710,7 +710,8 @@ static inline __m512 half_lanes(__m512i v) {
  * out[j] lane c = dword j of row c's 16 bytes. 16 loads and 8 unpacks within 128-bit lanes
  * (register k's lane L holds row k + 4 L, so the lanes come out in row order); four
  * vpgatherdd of the same dwords were ~14% of a one-row call's samples on Zen 4 (perf). */
-static inline void rows_dwords4(const uint8_t* p, int64_t rb, __m512i out[4]) {
+static inline __attribute__((always_inline)) void rows_dwords4(const uint8_t* p, int64_t rb,
+                                                                __m512i out[4]) {
     __m512i z[4];
     for (int k = 0; k < 4; ++k) {
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p + k * rb)));
@@ -731,7 +732,8 @@ static inline void rows_dwords4(const uint8_t* p, int64_t rb, __m512i out[4]) {
 
 /* decode_scales256 of one 256-input block of 16 rows at once (blk: row 0's block; row c's at
  * + c rb), lanes the rows: ws, wo [16 groups][16]. */
-static inline void run_scales(const uint8_t* blk, int64_t rb, int type, float* ws, float* wo) {
+static inline __attribute__((always_inline)) void run_scales(const uint8_t* blk, int64_t rb,
+                                                              int type, float* ws, float* wo) {
     const __m512 zero = _mm512_setzero_ps();
     if (type == T_Q4_K) {
         __m512i head[4]; /* d and dmin, then the 12 bytes of scales and mins */
@@ -889,7 +891,7 @@ static inline __m512i run_decode(const uint8_t* blk, int type, int h, int upper)
 }
 
 /* decode_panel for a whole panel of one Q4_K / Q6_K run (base: its first row, rb: row bytes):
- * the same bytes and scales, the scales gathered 16 rows at a time and the bytes decoded
+ * the same bytes and scales, the scales loaded 16 rows at a time and the bytes decoded
  * 128 inputs per load (run_scales, run_decode), each register's two halves of 32 inputs
  * transposed to where their inputs go (Q4_K's registers hold inputs 0-31 and 64-95, or
  * 32-63 and 96-127, of the 128). */
