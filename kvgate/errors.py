@@ -75,16 +75,20 @@ class PromptTooLong(InvalidRequest):
         *,
         at_least: bool = False,
         param: str = "prompt",
+        tenant: str | None = None,
     ) -> None:
         """``at_least``: ``num_prompt_tokens`` is a lower bound (the prompt was refused
-        before it was tokenized), not its count."""
+        before it was tokenized), not its count. ``tenant``: the limit is that tenant's
+        ``max_context``, not the model's, and the message says so."""
         has = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
         asked = f" and {max_tokens} more were requested" if max_tokens or not at_least else ""
+        whose = "This model's" if tenant is None else f"Tenant {tenant!r}'s"
         super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{whose} maximum context length is {max_model_len} tokens; the prompt has "
             f"{has} tokens{asked}",
             param=param,
         )
+        self.tenant = tenant
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len

@@ -335,7 +335,7 @@ class TenantGate:
         request was charged at the door (``charge_requests``), not here."""
         total = prompt_tokens + max_tokens
         if spec.max_context is not None and total > spec.max_context:
-            raise PromptTooLong(prompt_tokens, max_tokens, spec.max_context)
+            raise PromptTooLong(prompt_tokens, max_tokens, spec.max_context, tenant=spec.name)
         share = spec.share(self.num_blocks)
         blocks = self.blocks_for(total)
         if share.ceiling_blocks is not None and blocks > share.ceiling_blocks:

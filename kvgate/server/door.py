@@ -95,12 +95,13 @@ class Door:
                     f"the prompt has {chars} characters; at most {cap} per request", param=param
                 )
         tokens = self.context_for(spec)
+        tenant = spec.name if spec is not None and tokens < self.context else None
         for texts, ids in prompts:
             if ids + sum(len(t) for t in texts) / SLACK <= tokens:
                 continue  # a character weighs at most 1: too short to be over, not weighed
             floor = ids + self.floor.tokens(texts, stop_above=tokens - ids)
             if floor > tokens:
-                raise PromptTooLong(floor, 0, tokens, at_least=True, param=param)
+                raise PromptTooLong(floor, 0, tokens, at_least=True, param=param, tenant=tenant)
 
     def check_sizes(
         self,

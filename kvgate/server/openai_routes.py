@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -15,49 +16,80 @@ from kvgate.server.access_log import access_record
 from kvgate.server.chat import create_chat_completion
 from kvgate.server.completions import create_completion
 from kvgate.server.door import off_loop
+from kvgate.server.errors import ModelNotServed
 from kvgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvgate.server.routing import Route
+from kvgate.server.routing import Route, authenticate, router
+from kvgate.server.serving import ServingContext
 from kvgate.server.streaming import ClientDisconnected
 
 if TYPE_CHECKING:
     from kvgate.server.app import ServerState
 
 
+def model_card(ctx: ServingContext, *, paths: bool) -> dict[str, Any]:
+    """One served model as ``/v1/models`` lists it. ``paths``: the caller may see where its
+    weights are on disk (an admin key, or anyone on an open server); others get the file or
+    directory name only, never the server's filesystem."""
+    version = ctx.version
+    source = version.source if version is not None else None
+    if source is not None and not paths:
+        source = PurePath(source).name
+    return {
+        "id": ctx.served_model_name,
+        "object": "model",
+        "created": version.created if version is not None else 0,
+        "owned_by": "kvgate",
+        "max_model_len": ctx.max_model_len,
+        "version": ctx.model_version,
+        "source": source,
+        "weights_sha256": version.weights_sha256 if version is not None else None,
+    }
+
+
+def _is_admin(request: Request) -> bool:
+    state: ServerState = request.app.state.kvgate
+    return state.governance.tenants.is_admin(request.headers.get("authorization"))
+
+
 def install_openai_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
-    def list_models(request: Request, route: Route) -> dict[str, Any]:
-        """The models the caller may use that are ready to serve; while none of them is,
-        the 503 that says why (loading, or failed)."""
+    def list_models(request: Request) -> dict[str, Any]:
+        """The models the caller may use that are ready to serve (an admin key: all of
+        them, with their paths); while none of them is, the 503 that says why (loading, or
+        failed)."""
         state: ServerState = request.app.state.kvgate
         models = state.models
-        allowed = models.allowed(state.governance.spec(route.tenant))
+        admin = _is_admin(request)
+        if admin:
+            allowed = list(models)
+        else:
+            allowed = models.allowed(state.governance.spec(authenticate(request)))
         ready = [slot.serving for slot in allowed if slot.status == "ready"]
         if not ready and allowed:
             allowed[0].check()
+        paths = admin or state.governance.tenants.open
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": ctx.served_model_name,
-                    "object": "model",
-                    "created": ctx.version.created if ctx.version is not None else 0,
-                    "owned_by": "kvgate",
-                    "max_model_len": ctx.max_model_len,
-                    "version": ctx.model_version,
-                    "source": ctx.version.source if ctx.version is not None else None,
-                    "weights_sha256": (
-                        ctx.version.weights_sha256 if ctx.version is not None else None
-                    ),
-                }
-                for ctx in ready
-                if ctx is not None
-            ],
+            "data": [model_card(ctx, paths=paths) for ctx in ready if ctx is not None],
         }
+
+    @app.get("/v1/models/{model_id:path}")
+    def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        """One model as listed: 404 for a name this server does not serve, 403 for one the
+        caller's tenant may not use, 503 while it loads (as a request naming it gets)."""
+        state: ServerState = request.app.state.kvgate
+        if _is_admin(request):
+            slot = state.models.slots.get(model_id)
+            if slot is None:
+                raise ModelNotServed(model_id, state.models.names)
+            return model_card(slot.check(), paths=True)
+        ctx = router(request, authenticate(request))(model_id)
+        return model_card(ctx, paths=state.governance.tenants.open)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request, route: Route) -> Any:

@@ -122,6 +122,11 @@ def test_a_cjk_prompt_past_the_context_is_refused_before_tokenizing_on_every_end
     resp = _post(server, "/v1/chat/completions", "sk-alpha", {**chat, "messages": [
         {"role": "user", "content": CJK[:1000]}]})  # fmt: skip
     assert resp.status_code == 400 and tokenizer_calls == []
+    # ... and the refusal names the tenant's limit, not the model's
+    message = resp.json()["error"]["message"]
+    assert message.startswith("Tenant 'alpha''s maximum context length is 128 tokens"), message
+    # (a tenant without one of its own was refused on the model's)
+    assert err["message"].startswith("This model's maximum context length is 512 tokens")
 
 
 def test_prompts_under_the_floor_are_tokenized_and_counted_exactly(

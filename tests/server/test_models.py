@@ -158,6 +158,37 @@ def test_models_lists_what_the_tenant_may_use(two_models: LiveServer) -> None:
     assert ids("sk-qwen") == ["qwen"]
 
 
+def test_a_tenant_sees_no_paths_and_the_admin_key_does(two_models: LiveServer) -> None:
+    def cards(key: str) -> list[dict[str, object]]:
+        resp = httpx.get(
+            f"{two_models.base_url}/v1/models", headers={"authorization": f"Bearer {key}"}
+        )
+        assert resp.status_code == 200
+        data: list[dict[str, object]] = resp.json()["data"]
+        return data
+
+    admin = {c["id"]: c["source"] for c in cards("sk-admin")}
+    assert all(str(src).startswith("/") for src in admin.values()), admin
+    for card in cards("sk-both"):
+        source = str(card["source"])
+        assert "/" not in source and source == Path(str(admin[card["id"]])).name, card
+
+
+def test_one_model_is_retrieved_as_listed(two_models: LiveServer) -> None:
+    client = _client(two_models, "sk-llama")
+    model = client.models.retrieve("llama")
+    assert model.id == "llama" and model.object == "model"
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.PermissionDeniedError):
+        client.models.retrieve("qwen")  # served, but not to this tenant
+    admin = _client(two_models, "sk-admin")
+    assert str(admin.models.retrieve("qwen").model_dump()["source"]).startswith("/")
+    with pytest.raises(openai.NotFoundError):
+        admin.models.retrieve("gpt-4")
+
+
 def test_a_model_the_tenant_may_not_use_is_403_and_unknown_ones_404(
     two_models: LiveServer,
 ) -> None:
