@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -89,6 +90,25 @@ def check_data_dirs(config: ServerConfig) -> list[str]:
     return found
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything loads: a port in use is a clear
+    error at once (uvicorn binds only after the app's startup, which had begun loading the
+    model, and logged "Application startup complete" before ``[Errno 98]``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidConfig(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds "
+            "the port? choose another with --port)",
+            param="port",
+        ) from exc
+    return sock
+
+
 def build_server(launch: Launch, **hooks: Any) -> FastAPI:
     """The app of ``launch``: one engine loader per model (each engine in a process of its
     own with ``--engine-process on``); ``hooks`` go to ``build_app`` (``on_load_error``,
@@ -114,6 +134,7 @@ def run_server(launch: Launch) -> int:
     models, config = launch.models, launch.config
     setup_logging(config)
     check_data_dirs(config)
+    listener = bind_listener(config.host, config.port)
     failed: list[BaseException] = []
     dead: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -187,7 +208,7 @@ def run_server(launch: Launch) -> int:
     )
     # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop.
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=[listener])
     if failed:
         print(f"kvgate: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -101,6 +102,21 @@ def test_serve_from_a_config_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert f"http://127.0.0.1:{port}/v1" in out
     assert "KV pool" in out and "blocks x 16 tokens" in out and "GiB" in out
     assert '"path": "/v1/completions"' in out  # the JSON access log line
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads(tiny_llama_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(
+            "--model", str(tiny_llama_dir), "--dtype", "float32", "--host", "127.0.0.1",
+            "--port", str(port), "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+        )  # fmt: skip
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert f"cannot listen on 127.0.0.1:{port}" in out and "--port" in out, out
+    assert "startup complete" not in out and "KV pool" not in out and "Traceback" not in out
 
 
 def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
