@@ -9,7 +9,8 @@ The wire format inside the model's output is the one most open chat models are t
     </tool_call>
 
 ``tool_grammar`` constrains it: the object must name one of the tools and its arguments must
-validate against that tool's parameters (``required`` / a named function: a call is the only
+validate against that tool's parameters, their objects closed where the schema does not
+say otherwise (``closed_objects``) (``required`` / a named function: a call is the only
 output; ``auto``: text, or calls from the first token on; ``none``: text only). The arguments
 are kept exactly as generated, so a streamed call's argument fragments add up to the same
 string as the whole response's.
@@ -53,6 +54,44 @@ class Function:
         return {"type": "function", "function": spec}
 
 
+#: Keywords whose value is one schema, or a list or map of schemas (JSON Schema 2020-12 and
+#: draft 7), that ``closed_objects`` walks into.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of
+    ``additionalProperties`` (nor has ``patternProperties``) closed: no keys beyond those
+    it lists, as vLLM's strict mode and OpenAI's strict tools read such a schema. Tools
+    are sent that way by LangChain and the plain SDK, and an open object let the model add
+    keys until ``max_tokens``. An object without ``properties`` stays open (a free-form
+    map); a schema that sets ``additionalProperties`` keeps what it says."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _ONE or (key == "additionalProperties" and isinstance(value, Mapping)):
+            out[key] = closed_objects(value)
+        elif key in _MANY and isinstance(value, list):
+            out[key] = [closed_objects(s) for s in value]
+        elif key in _MAP and isinstance(value, Mapping):
+            out[key] = {name: closed_objects(s) for name, s in value.items()}
+        else:
+            out[key] = value
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def tool_grammar(
     functions: Sequence[Function],
     mode: str,
@@ -73,7 +112,10 @@ def tool_grammar(
     for i, f in enumerate(chosen):
         schema = {
             "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": bounded_numbers(f.parameters)},
+            "properties": {
+                "name": {"const": f.name},
+                "arguments": bounded_numbers(closed_objects(f.parameters)),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
             "x-guidance": {"whitespace_flexible": False},

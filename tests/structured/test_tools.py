@@ -12,6 +12,7 @@ from kvgate.structured.tools import (
     Function,
     ToolCallReader,
     call_text,
+    closed_objects,
     render_history,
     template_history,
     tool_grammar,
@@ -113,6 +114,51 @@ def test_the_grammar_allows_what_the_choice_allows(
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     accepted = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
     assert accepted == ok
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise() -> None:
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": item},
+            "either": {"anyOf": [item, {"type": "string"}]},
+            "free": {"type": "object"},  # no properties: a free-form map, left open
+            "open": {**item, "additionalProperties": True},
+            "typed": {**item, "additionalProperties": {"type": "object", "properties": {}}},
+            "ref": {"$ref": "#/$defs/thing"},
+        },
+        "$defs": {"thing": item},
+    }
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]
+    assert props["open"]["additionalProperties"] is True
+    assert props["typed"]["additionalProperties"]["additionalProperties"] is False
+    assert closed["$defs"]["thing"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema and "additionalProperties" not in item  # a copy
+
+
+@pytest.mark.parametrize(
+    ("parameters", "ok"),
+    [
+        (WEATHER.parameters, False),  # no additionalProperties: closed
+        ({**WEATHER.parameters, "additionalProperties": True}, True),
+        ({"type": "object"}, True),  # free-form arguments
+    ],
+)
+def test_a_tool_call_with_a_key_its_schema_does_not_list(
+    lltok: llguidance.LLTokenizer, smollm2_tokenizer: Tokenizer, parameters: dict[str, object],
+    ok: bool,
+) -> None:  # fmt: skip
+    grammar = tool_grammar([Function("get_weather", None, parameters)], "required", False)
+    matcher = llguidance.LLMatcher(lltok, grammar.text)
+    text = call_text("get_weather", '{"city":"Paris","units":"metric"}')
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert (matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()) == ok
 
 
 def test_a_function_may_be_called_like_a_mode(
