@@ -76,8 +76,8 @@ def closed_objects(schema: Any) -> Any:
     for key, value in schema.items():
         if key in _ONE or (key == "additionalProperties" and isinstance(value, Mapping)):
             out[key] = closed_objects(value)
-        elif key in _MANY and isinstance(value, list):
-            out[key] = [closed_objects(s) for s in value]
+        elif key in _MANY:
+            out[key] = closed_objects(value)  # a list: each schema in it
         elif key in _MAP and isinstance(value, Mapping):
             out[key] = {name: closed_objects(s) for name, s in value.items()}
         else:

@@ -713,15 +713,12 @@ static inline __m512 half_lanes(__m512i v) {
 static inline __attribute__((always_inline)) void rows_dwords4(const uint8_t* p, int64_t rb,
                                                                 __m512i out[4]) {
     __m512i z[4];
+#define ROW16(r) _mm_loadu_si128((const __m128i*)(p + (r) * rb))
     for (int k = 0; k < 4; ++k) {
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p + k * rb)));
-        for (int l = 1; l < 4; ++l) {
-            const __m128i r = _mm_loadu_si128((const __m128i*)(p + (k + 4 * l) * rb));
-            v = l == 1 ? _mm512_inserti32x4(v, r, 1)
-                       : l == 2 ? _mm512_inserti32x4(v, r, 2) : _mm512_inserti32x4(v, r, 3);
-        }
-        z[k] = v;
+        const __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(ROW16(k)), ROW16(k + 4), 1);
+        z[k] = _mm512_inserti32x4(_mm512_inserti32x4(v, ROW16(k + 8), 2), ROW16(k + 12), 3);
     }
+#undef ROW16
     const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
     out[0] = _mm512_unpacklo_epi64(t0, t2);
