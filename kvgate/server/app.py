@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
@@ -46,6 +47,9 @@ from kvgate.server.config import ServerConfig
 from kvgate.server.dashboard import RecentLatencies, install_dashboard
 from kvgate.server.door import Door
 from kvgate.server.drain import Drain, DrainMiddleware
+from kvgate.server.embedding_model import NAME as EMBEDDING_MODEL
+from kvgate.server.embedding_model import EmbeddingModel
+from kvgate.server.embeddings import install_embedding_routes
 from kvgate.server.errors import install_error_handlers
 from kvgate.server.files import install_file_routes
 from kvgate.server.governance import Governance
@@ -54,7 +58,10 @@ from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, Tena
 from kvgate.server.models import EngineLoader, ModelSlot, ServedModels
 from kvgate.server.openai_routes import install_openai_routes
 from kvgate.server.probes import install_probe_routes
+from kvgate.server.rerank_endpoint import install_rerank_routes
 from kvgate.server.responses import install_response_routes
+from kvgate.server.responses.background import BackgroundRuns
+from kvgate.server.responses.stored import ResponseStore
 from kvgate.server.serving import ServingContext
 from kvgate.server.tracing import NoTracing, Tracing
 from kvgate.server.vector_stores import install_vector_store_routes
@@ -76,6 +83,12 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     #: Requests in flight, and whether the server is draining (SIGTERM: see drain.py).
     drain: Drain = field(default_factory=Drain)
+    #: Stored responses (``/v1/responses``), in the documents' database (set by build_app).
+    responses: ResponseStore | None = None
+    #: Background responses running in this process.
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)
+    #: The embedding model of /v1/embeddings (the store's embedder); None without ``docs``.
+    embedding: EmbeddingModel | None = None
 
     @property
     def serving(self) -> ServingContext | None:
@@ -234,6 +247,29 @@ def _docs(config: ServerConfig, governance: Governance) -> DocsService | None:
     )  # fmt: skip
 
 
+def _responses(
+    config: ServerConfig, governance: Governance, docs: DocsService | None
+) -> ResponseStore:
+    """Stored responses: in the documents' database, or (without the retrieval extra) in
+    an SQLite database of their own in the data directory."""
+    retention = config.responses_retention
+
+    def most(tenant: str) -> int | None:
+        return governance.spec(tenant).max_stored_responses
+
+    if docs is not None:
+        return ResponseStore(docs.store.database, retention, most)
+    url = config.docs_url or os.environ.get("KVGATE_DOCS_URL") or None
+    try:
+        directory = Path(data_dir_of(config))
+        return ResponseStore.open(directory, url, retention_s=retention, max_for=most)
+    except Exception as exc:
+        raise InvalidConfig(
+            f"cannot open the database of stored responses: {type(exc).__name__}: {exc}",
+            param="docs_url",
+        ) from None
+
+
 def _usage_ledger(config: ServerConfig) -> UsageLedger:
     ledger = UsageLedger(usage_path_of(config))
     log.info("usage ledger: %s", ledger.path)
@@ -278,7 +314,11 @@ def build_app(
     governance = _governance(config, rate_buckets)
     docs = _docs(config, governance)
     state = ServerState(config, governance, _usage_ledger(config), models, docs, tracing)
-    _warn_unknown_models(state.governance.tenants, models.names)
+    state.responses = _responses(config, governance, docs)
+    if docs is not None:
+        state.embedding = EmbeddingModel(docs, config.embed_precision)
+    served = [*models.names, *([EMBEDDING_MODEL] if docs is not None else [])]
+    _warn_unknown_models(state.governance.tenants, served)
     state.registry.register(EngineCollector(state.snapshots))
     state.registry.register(TenantCollector(state.snapshots, state.governance))
     ProcessCollector(registry=state.registry)
@@ -303,6 +343,7 @@ def build_app(
         try:
             yield
         finally:
+            await state.background.stop()  # each writes its row: failed, server stopped
             thread.join()
             for slot in models:
                 if slot.serving is not None:
@@ -310,6 +351,8 @@ def build_app(
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes spans not yet exported
             state.usage.close()  # after the engine: every request settled is written
+            if state.responses is not None:  # its own database only; the documents' below
+                state.responses.close()
             if state.docs is not None:
                 state.docs.close()
 
@@ -336,4 +379,6 @@ def build_app(
 
     install_probe_routes(app)
     install_openai_routes(app)
+    install_embedding_routes(app)
+    install_rerank_routes(app)
     return app

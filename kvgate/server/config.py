@@ -64,6 +64,8 @@ class ServerConfig:
     #: The documents database (None: $KVGATE_DOCS_URL, else SQLite in ``data_dir``): a
     #: ``postgresql://`` URL shares files and vector stores between replicas.
     docs_url: str | None = None
+    #: Seconds a stored response (``/v1/responses``) is kept; OpenAI keeps them 30 days.
+    responses_retention: float = 30 * 24 * 3600.0
     #: The priority class document ingestion runs at (its process's OS priority).
     ingest_priority: str = "batch"
     #: What one file's ingestion may take (time, memory, pages, characters); docs/bounds.py.
@@ -104,6 +106,11 @@ class ServerConfig:
             raise InvalidConfig(
                 f"embed_precision must be one of {', '.join(EMBED_PRECISIONS)}",
                 param="embed_precision",
+            )
+        if not self.responses_retention > 0:
+            raise InvalidConfig(
+                "responses_retention must be a positive number of seconds",
+                param="responses_retention",
             )
         if not self.served_model_name:
             raise InvalidConfig("served_model_name must not be empty", param="served_model_name")

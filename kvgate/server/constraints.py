@@ -5,6 +5,7 @@ is checked by the engine's ``GrammarCompiler`` at the door, before admission."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvgate.errors import InvalidRequest
 from kvgate.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
@@ -83,11 +84,25 @@ def chat_constraints(body: ChatCompletionRequest) -> Constraints:
         # The tools stay described (the history may refer to them); no call may be made.
         grammar = text_format or tool_grammar(functions, "none", False)
         return Constraints(grammar=grammar, functions=functions)
-    if text_format is not None:
-        raise InvalidRequest(
-            "response_format cannot be combined with tools unless tool_choice is 'none'",
-            param="response_format",
-        )
     parallel = body.parallel_tool_calls is not False
-    grammar = tool_grammar(functions, mode, parallel, name)
+    answer = _answer_schema(body.response_format) if text_format is not None else None
+    grammar = tool_grammar(functions, mode, parallel, name, answer=answer)
     return Constraints(grammar=grammar, functions=functions, may_call=True)
+
+
+def _answer_schema(fmt: ResponseFormat | None) -> dict[str, Any] | bool:
+    """The JSON schema an answer beside tools must match (tools with ``response_format``:
+    a tool call, or text in the format). OpenAI's formats only: kvgate's regex, choice and
+    grammar formats do not nest in the tool grammar."""
+    assert fmt is not None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema" and fmt.json_schema is not None:
+        schema = fmt.json_schema.json_schema
+        if schema is not None:
+            return schema
+    raise InvalidRequest(
+        f"response_format of type {fmt.type!r} cannot be combined with tools (json_schema "
+        "and json_object can) unless tool_choice is 'none'",
+        param="response_format",
+    )

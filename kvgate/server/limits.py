@@ -101,7 +101,7 @@ class RequestLimits:
 
 
 #: Paths whose callers must hold a tenant key (when keys exist) before the body is read.
-_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/openapi.json")
+_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/rerank", "/v2/rerank", "/openapi.json")
 
 
 def _error(status: int, message: str, err_type: str, code: str, param: str | None) -> bytes:

@@ -1,6 +1,8 @@
 """The OpenAI-compatible model routes: ``/v1/models``, ``/v1/chat/completions``,
 ``/v1/completions``, and vLLM's ``/tokenize`` and ``/detokenize``. The work is in
-``chat.py`` and ``completions.py``; here each request finds its model (``Route``)."""
+``chat.py`` and ``completions.py``; here each request finds its model (``Route``).
+``/v1/models`` lists the embedding model too (``embedding_model.py``), after the chat
+models, where the server has one."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from kvgate.server.access_log import access_record
 from kvgate.server.chat import create_chat_completion
 from kvgate.server.completions import create_completion
 from kvgate.server.door import off_loop
-from kvgate.server.errors import ModelNotServed
+from kvgate.server.embedding_model import ALIASES, EmbeddingModel
+from kvgate.server.embedding_model import NAME as EMBEDDING_MODEL
+from kvgate.server.errors import ModelNotAllowed, ModelNotServed
 from kvgate.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +60,21 @@ def _is_admin(request: Request) -> bool:
     return state.governance.tenants.is_admin(request.headers.get("authorization"))
 
 
+def _embedding(request: Request, admin: bool, refuse: bool = False) -> EmbeddingModel | None:
+    """The embedding model where the caller may use it (an admin key: always); else None,
+    or with ``refuse`` the 403 that says why."""
+    state: ServerState = request.app.state.kvgate
+    embedding = state.embedding
+    if embedding is None or admin:
+        return embedding
+    spec = state.governance.spec(authenticate(request))
+    if spec.allows(EMBEDDING_MODEL):
+        return embedding
+    if refuse:
+        raise ModelNotAllowed(EMBEDDING_MODEL, spec.name, spec.models or ())
+    return None
+
+
 def install_openai_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     def list_models(request: Request) -> dict[str, Any]:
@@ -73,17 +92,23 @@ def install_openai_routes(app: FastAPI) -> None:
         if not ready and allowed:
             allowed[0].check()
         paths = admin or state.governance.tenants.open
-        return {
-            "object": "list",
-            "data": [model_card(ctx, paths=paths) for ctx in ready if ctx is not None],
-        }
+        data = [model_card(ctx, paths=paths) for ctx in ready if ctx is not None]
+        embedding = _embedding(request, admin)
+        if embedding is not None:
+            data.append(embedding.card(paths=paths))
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
     def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
         """One model as listed: 404 for a name this server does not serve, 403 for one the
         caller's tenant may not use, 503 while it loads (as a request naming it gets)."""
         state: ServerState = request.app.state.kvgate
-        if _is_admin(request):
+        admin = _is_admin(request)
+        if model_id in ALIASES and model_id not in state.models.slots:
+            embedding = _embedding(request, admin, refuse=True)
+            if embedding is not None:
+                return embedding.card(paths=admin or state.governance.tenants.open)
+        if admin:
             slot = state.models.slots.get(model_id)
             if slot is None:
                 raise ModelNotServed(model_id, state.models.names)

@@ -8,7 +8,8 @@ from fastapi import Depends, Request
 
 from kvgate.errors import KVGateError
 from kvgate.server.access_log import AccessRecord, access_record
-from kvgate.server.errors import AuthenticationFailed
+from kvgate.server.embedding_model import ALIASES, NotAChatModel
+from kvgate.server.errors import AuthenticationFailed, ModelNotServed
 from kvgate.server.serving import ServingContext
 
 if TYPE_CHECKING:
@@ -46,14 +47,23 @@ class Router:
         """The model's serving context (see ``ServedModels.route``); a 403, 404 or 503
         counts as the tenant's refusal."""
         governance = self.state.governance
+        spec = governance.spec(self.tenant)
         try:
-            ctx = self.state.models.route(model, governance.spec(self.tenant))
+            ctx = self.state.models.route(model, spec)
         except KVGateError as exc:
             governance.count_refusal(self.tenant, exc.code)
+            if isinstance(exc, ModelNotServed) and self._is_embedding(model):
+                assert model is not None
+                models = self.state.models
+                served = [s.name for s in models.allowed(spec)] or models.names
+                raise NotAChatModel(model, served) from None
             raise
         if self.record is not None:
             self.record.model_version = ctx.model_version
         return ctx
+
+    def _is_embedding(self, model: str | None) -> bool:
+        return model is not None and self.state.embedding is not None and model in ALIASES
 
 
 def router(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Router:

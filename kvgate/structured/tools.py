@@ -98,9 +98,14 @@ def tool_grammar(
     parallel: bool,
     name: str | None = None,
     param: str = "tools",
+    answer: Mapping[str, Any] | bool | None = None,
 ) -> Grammar:
     """``mode``: "auto" (text, or calls), "none" (text only), "required" (calls only) or
-    "named" (exactly one call, of the function ``name``)."""
+    "named" (exactly one call, of the function ``name``). ``answer``: with "auto", the
+    text is not free but JSON valid against this schema (``response_format`` or
+    ``text.format`` beside tools: the model calls tools or answers in the format; a JSON
+    answer begins with ``{`` or ``[``, never with the call's tag, so the first character
+    still decides)."""
     # Text: anything that does not open a call. It may not begin with whitespace either:
     # llguidance lexes greedily, so " <tool_call>" would be taken as text and then fail.
     text = r"TEXT: /(?s:.*)/ & ~/(?s:[ \t\r\n].*)/ & ~/(?s:<tool_call>.*)/"
@@ -121,10 +126,17 @@ def tool_grammar(
             "x-guidance": {"whitespace_flexible": False},
         }
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
+    if mode == "auto" and answer is not None:
+        shape = bounded_numbers(answer) if isinstance(answer, Mapping) else answer
+        if isinstance(shape, Mapping):
+            shape = {**shape, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f"answer: %json {json.dumps(shape)}")
     calls = 'call ("\\n" call)*' if parallel and mode != "named" else "call"
     # Whitespace may come before the first call when only calls may come (the reader drops
     # it); with "auto" the first character decides, and whitespace is not one.
-    start = "start: TEXT | calls" if mode == "auto" else "start: WS? calls"
+    start = "start: WS? calls"
+    if mode == "auto":
+        start = "start: answer | calls" if answer is not None else "start: TEXT | calls"
     lark = "\n".join(
         [
             start,
@@ -132,7 +144,7 @@ def tool_grammar(
             f'call: "{OPEN}\\n" ({" | ".join(f"fn{i}" for i in range(len(chosen)))}) "\\n{CLOSE}"',
             r"WS: /[ \t\r\n]+/",
             *rules,
-            *([text] if mode == "auto" else []),
+            *([text] if mode == "auto" and answer is None else []),
         ]
     )
     check_size(lark, param)

@@ -13,8 +13,8 @@ import pytest
 from kvgate.retrieval import extra
 from kvgate.server import app as server_app
 from kvgate.server import files as server_files
-from kvgate.server import responses as server_responses
 from kvgate.server.config import ServerConfig
+from kvgate.server.responses import create as server_responses
 from tests.conftest import tiny_engine_config
 from tests.server.conftest import MODEL, LiveServer, start_server
 

@@ -18,6 +18,7 @@ from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.governance.tenants import TenantSpec
 from kvgate.launch.settings import engine_config, models_to_serve, parse_serve, server_config
+from kvgate.server.embedding_model import NAME as EMBEDDING_MODEL
 from kvgate.server.errors import ModelNotAllowed, ModelNotServed
 from kvgate.server.models import ModelSlot, ServedModels
 from kvgate.tokenizer import Tokenizer
@@ -153,7 +154,8 @@ def test_models_lists_what_the_tenant_may_use(two_models: LiveServer) -> None:
     def ids(key: str) -> list[str]:
         return [m.id for m in _client(two_models, key).models.list().data]
 
-    assert ids("sk-both") == ["llama", "qwen"]
+    # The embedding model after the chat models, for the tenants whose ``models`` allow it.
+    assert ids("sk-both") == ["llama", "qwen", EMBEDDING_MODEL]
     assert ids("sk-llama") == ["llama"]
     assert ids("sk-qwen") == ["qwen"]
 
@@ -329,7 +331,10 @@ def test_a_model_serves_while_the_next_one_still_loads(tiny_llama_dir: Path) -> 
         r = http.post("/v1/completions", json={**body, "model": "second"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
         assert "'second'" in r.json()["error"]["message"] and r.headers["retry-after"] == "5"
-        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["first"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [
+            "first",
+            EMBEDDING_MODEL,
+        ]
         gc.unfreeze()
         release.set()
         while http.get("/health").status_code != 200:

@@ -14,6 +14,7 @@ import pytest
 from kvgate import SamplingParams
 from kvgate.entrypoints.llm import LLM
 from kvgate.model import cpu_isa
+from kvgate.server.embedding_model import NAME as EMBEDDING_MODEL
 from tests.server.conftest import API_KEY, MODEL, LiveServer, metric, scrape_metrics, wait_idle
 
 PROMPT_IDS = [400, 401, 402, 403, 404, 405]
@@ -32,7 +33,8 @@ def reference(tiny_llama_dir: Path) -> LLM:
 
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    # The chat model, then the documents' embedder (/v1/embeddings): the test install has it.
+    assert [m.id for m in models.data] == [MODEL, EMBEDDING_MODEL]
 
 
 def test_greedy_completion_matches_the_offline_engine(

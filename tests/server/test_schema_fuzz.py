@@ -155,6 +155,67 @@ COMPLETION = st.fixed_dictionaries(
         "suffix": field(st.text(max_size=3)),
     },
 )
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"])},
+    optional={"text": field(st.text(max_size=8))},
+)
+ITEM = (
+    st.fixed_dictionaries(
+        {"role": field(st.sampled_from(["user", "assistant", "system", "developer", "tool"])),
+         "content": field(st.text(max_size=12) | st.lists(PART, max_size=2))},
+        optional={"type": st.just("message")},
+    )
+    | st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": field(st.text(max_size=4)),
+         "name": field(st.sampled_from(["f", "g"])), "arguments": field(st.text(max_size=8))})
+    | st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": field(st.text(max_size=4)),
+         "output": field(st.text(max_size=8) | st.lists(PART, max_size=2))})
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["reasoning", "file_search_call", "item_reference", "x"])},
+        optional={"id": st.text(max_size=4)})
+)  # fmt: skip
+RESPONSES_TOOL = (
+    st.fixed_dictionaries(
+        {"type": field(st.just("function")),
+         "name": field(st.sampled_from(["f", "g", "bad name"]))},
+        optional={"parameters": field(SCHEMA), "strict": field(st.booleans())})
+    | st.fixed_dictionaries(
+        {"type": st.just("file_search"), "vector_store_ids": field(st.lists(st.text(max_size=5),
+                                                                            max_size=2))})
+    | st.fixed_dictionaries({"type": st.sampled_from(["web_search", "computer", ""])})
+)  # fmt: skip
+TEXT_FORMAT = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "regex"])},
+    optional={"name": field(st.text(max_size=5)), "schema": field(SCHEMA),
+              "strict": field(st.booleans())},
+)  # fmt: skip
+RESPONSES = st.fixed_dictionaries(
+    {"input": field(st.text(max_size=20) | st.lists(ITEM, max_size=4))},
+    optional={
+        "model": field(st.sampled_from(["tiny", "gpt-4o"])),
+        "instructions": field(st.text(max_size=10)),
+        "tools": field(st.lists(RESPONSES_TOOL, max_size=2)),
+        "tool_choice": field(
+            st.sampled_from(["auto", "none", "required", "other"])
+            | st.fixed_dictionaries({"type": st.sampled_from(["function", "file_search"]),
+                                     "name": st.sampled_from(["f", "h"])})),
+        "parallel_tool_calls": field(st.booleans()),
+        "text": field(st.fixed_dictionaries({"format": field(TEXT_FORMAT)})),
+        "reasoning": field(st.fixed_dictionaries({"effort": st.sampled_from(["low", "high"])})),
+        "max_output_tokens": field(st.integers(-1, 6)),
+        "temperature": field(st.floats(-1.0, 3.0)),
+        "top_p": field(st.floats(-0.5, 1.5)),
+        "stream": field(st.booleans()),
+        "store": field(st.booleans()),
+        "background": field(st.booleans()),
+        "previous_response_id": field(st.sampled_from(["resp_x", ""]) | st.text(max_size=6)),
+        "include": field(st.lists(st.sampled_from(["file_search_call.results", "x"]),
+                                  max_size=2)),
+        "metadata": field(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)),
+        "truncation": field(st.sampled_from(["auto", "disabled", "x"])),
+    },
+)  # fmt: skip
 TOKENIZE = st.fixed_dictionaries(
     {},
     optional={
@@ -166,10 +227,13 @@ DETOKENIZE = st.fixed_dictionaries({"tokens": field(st.lists(st.integers(-2, 600
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama_dir: Path) -> Iterator[TestClient]:
+def http(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     # A short context keeps requests that omit max_tokens quick.
     config = tiny_engine_config(tiny_llama_dir, max_model_len=48, kv_cache_memory="8MiB")
-    app = build_app(ServerConfig(served_model_name="tiny"), engine_loader(config, 64))
+    where = tmp_path_factory.mktemp("fuzz")  # stored responses go here, not into ~/.local
+    server = ServerConfig(served_model_name="tiny", data_dir=str(where),
+                          usage_db=str(where / "usage.sqlite3"))  # fmt: skip
+    app = build_app(server, engine_loader(config, 64))
     with TestClient(app, raise_server_exceptions=False) as client:
         import time
 
@@ -203,6 +267,23 @@ def test_chat_schema(http: TestClient, body: dict[str, Any]) -> None:
     check(http.post("/v1/chat/completions", json=body))
 
 
+def check_responses(response: Any) -> None:
+    """As ``check``; a Responses stream ends with the response's own last event."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        check(response)
+        return
+    assert response.status_code == 200
+    events = [e for e in response.text.split("\n\n") if e]
+    kinds = [json.loads(e.partition("data: ")[2])["type"] for e in events]
+    assert kinds[-1] in ("response.completed", "response.incomplete", "response.failed"), kinds
+
+
+@FUZZ
+@given(body=RESPONSES)
+def test_responses_schema(http: TestClient, body: dict[str, Any]) -> None:
+    check_responses(http.post("/v1/responses", json=body))
+
+
 @FUZZ
 @given(body=COMPLETION)
 # found by this test: a choice SmolLM2's vocabulary cannot spell (no 0xF1 byte) was a 500
@@ -232,7 +313,7 @@ def test_tokenize_schema(http: TestClient, path: str, body: dict[str, Any]) -> N
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize"]),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/responses"]),
     raw=st.binary(max_size=40) | ANY_JSON.map(lambda v: json.dumps(v).encode()),
 )
 def test_any_bytes_as_body(http: TestClient, path: str, raw: bytes) -> None:
@@ -245,7 +326,8 @@ def test_any_bytes_as_body(http: TestClient, path: str, raw: bytes) -> None:
 @given(
     path=st.sampled_from(
         ["/v1/models", "/health", "/metrics", "/dashboard/data", "/admin/usage",
-         "/admin/tenants", "/openapi.json"]
+         "/admin/tenants", "/openapi.json", "/v1/responses/resp_x",
+         "/v1/responses/resp_x/input_items"]
     ),
     params=st.dictionaries(
         st.sampled_from(["tenant", "since", "until", "x"]), st.text(max_size=12), max_size=3

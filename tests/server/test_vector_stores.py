@@ -388,9 +388,9 @@ def test_responses_refuse_what_they_cannot_do(
     with pytest.raises(openai.BadRequestError, match="not supported"):
         b.responses.create(
             model="tiny", input="x",
-            tools=[{"type": "function", "name": "f", "parameters": {}}],  # type: ignore[list-item]
+            tools=[{"type": "web_search"}],  # type: ignore[list-item]
         )  # fmt: skip
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.NotFoundError, match="resp_1"):
         b.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     plain = b.responses.create(model="tiny", input="hello", max_output_tokens=3)
     assert [item.type for item in plain.output] == ["message"]

@@ -190,3 +190,30 @@ def test_templates_that_render_calls_get_arguments_as_objects() -> None:
     calls = template_history(messages)[0]["tool_calls"]
     assert calls[0]["function"]["arguments"] == {"a": 1}
     assert calls[1]["function"]["arguments"] == "oops"  # not JSON: left as sent
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize(
+    ("mode", "text", "ok"),
+    [
+        ("auto", CALLS, True),  # a call, as without a format
+        ("auto", '{"ok":true}', True),  # or an answer in the format
+        ("auto", '{"ok":"yes"}', False),  # ...valid against it
+        ("auto", '{"ok":true,"more":1}', False),  # (closed as the schema says)
+        ("auto", "It is sunny.", False),  # free text is not the format
+        ("auto", '{"ok":true}\n' + CALLS, False),  # an answer, then nothing
+        ("required", CALLS, True),  # required: calls only, the format does not apply
+        ("required", '{"ok":true}', False),
+    ],
+)
+def test_tools_beside_a_format_allow_a_call_or_an_answer_in_it(
+    lltok: llguidance.LLTokenizer, smollm2_tokenizer: Tokenizer, mode: str, text: str, ok: bool
+) -> None:
+    schema = {**ANSWER, "additionalProperties": False}
+    grammar = tool_grammar([WEATHER, ADD], mode, True, answer=schema)
+    matcher = llguidance.LLMatcher(lltok, grammar.text)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert (matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()) == ok
