@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from langchain_openai import OpenAIEmbeddings
+from llama_index.embeddings.openai_like import OpenAILikeEmbedding
 
 from kvgate.retrieval.retrieval import E5Embedder
 from kvgate.server.embedding_model import NAME
@@ -175,6 +176,16 @@ def test_langchain_embeds_documents_and_a_query(server: LiveServer) -> None:
     docs = emb.embed_documents(SENTENCES)
     np.testing.assert_allclose(np.array(docs, dtype=np.float32), floats, atol=1e-6)
     query = emb.embed_query(SENTENCES[1])
+    np.testing.assert_allclose(np.array(query, dtype=np.float32), floats[1], atol=1e-6)
+
+
+def test_llama_index_embeds_documents_and_a_query(server: LiveServer) -> None:
+    floats = _vectors(_post(server, {"model": NAME, "input": SENTENCES}))
+    emb = OpenAILikeEmbedding(model_name=NAME, api_base=server.api_url, api_key="sk-a",
+                              embed_batch_size=8)  # fmt: skip
+    docs = emb.get_text_embedding_batch(SENTENCES)
+    np.testing.assert_allclose(np.array(docs, dtype=np.float32), floats, atol=1e-6)
+    query = emb.get_query_embedding(SENTENCES[1])
     np.testing.assert_allclose(np.array(query, dtype=np.float32), floats[1], atol=1e-6)
 
 

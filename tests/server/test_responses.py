@@ -129,7 +129,7 @@ def test_a_named_function_and_its_output_round_trip(server: LiveServer) -> None:
 
 def test_streamed_function_calls_follow_openais_events(server: LiveServer) -> None:
     events = _events(server, {"input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
-                              "max_output_tokens": 200})  # fmt: skip
+                              "max_output_tokens": 200, "parallel_tool_calls": False})  # fmt: skip
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-1] == "response.completed"
@@ -144,6 +144,19 @@ def test_streamed_function_calls_follow_openais_events(server: LiveServer) -> No
     (call,) = final["output"]
     assert call["arguments"] == done["arguments"] and call["call_id"] == added["call_id"]
     assert not any(k.startswith("response.output_text") for k in kinds)
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(server: LiveServer) -> None:
+    body = {"input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+            "max_output_tokens": 22, "temperature": 0}  # fmt: skip
+    whole = _post(server, body).json()
+    assert whole["status"] == "incomplete"
+    (call,) = whole["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete"
+    events = _events(server, body)
+    (done,) = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done["item"]["status"] == "incomplete"
+    assert events[-1]["type"] == "response.incomplete"
 
 
 def test_streamed_text_follows_openais_events(server: LiveServer) -> None:

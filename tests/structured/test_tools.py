@@ -91,6 +91,7 @@ def lltok(smollm2_tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         ("auto", True, "\n " + CALLS, False),  # auto: the first character decides...
         ("auto", True, " It is sunny.", False),  # ...and whitespace is not one
         ("required", True, "\n " + CALLS, True),
+        ("required", True, "\n" * 5 + CALLS, False),  # a few characters of whitespace at most
         ("auto", True, "  <tool_call> not json", False),
         ("required", True, "It is sunny.", False),
         ("required", True, CALLS, True),

@@ -54,8 +54,12 @@ class Call:
     call_id: str
     name: str
     arguments: str = ""
+    #: Cut by ``max_output_tokens`` inside its arguments.
+    cut: bool = False
 
     def item(self, status: str = "completed") -> dict[str, Any]:
+        if status == "completed" and self.cut:
+            status = "incomplete"
         return {"id": self.item_id, "type": "function_call", "status": status,
                 "call_id": self.call_id, "name": self.name,
                 "arguments": self.arguments if status == "completed" else ""}  # fmt: skip
@@ -167,6 +171,11 @@ class Answer:
     def collect(self, text: str) -> None:
         """A whole response's text, read at once."""
         self._take(self.reader.feed(text) + self.reader.finish())
+        self._mark_cut()
+
+    def _mark_cut(self) -> None:
+        if self.calls and self.reader.cut:
+            self.calls[-1].cut = True
 
     def _take(self, deltas: list[Delta]) -> None:
         for d in deltas:
@@ -234,6 +243,7 @@ class Answer:
         """The events that close the output items (the response's own last event is the
         caller's: it needs the usage)."""
         events = self._events(self.reader.finish())
+        self._mark_cut()
         if not self.calls and not self.message_open:
             events += self._open_message()  # an empty answer is still a message
         if self.message_open:
