@@ -142,7 +142,7 @@ class E5Encoder:
         sums = torch.zeros(len(content), self.hidden, dtype=torch.float64)
         weights = torch.zeros(len(content), dtype=torch.float64)
         order = sorted(range(len(windows)), key=lambda w: len(windows[w][1]))
-        for batch in _batches([len(windows[w][1]) for w in order], batch_tokens):
+        for batch in batches([len(windows[w][1]) for w in order], batch_tokens):
             picked = [windows[order[b]] for b in batch]
             means = self._forward([ids for _, ids in picked]).double()
             for (text, ids), mean in zip(picked, means, strict=True):
@@ -228,7 +228,7 @@ class _Group:
         return out.reshape(-1, h) if self.mask is None else out[self.mask]
 
 
-def _batches(lengths: list[int], budget: int) -> list[list[int]]:
+def batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Consecutive index runs of ``lengths`` of at most ``budget`` tokens (at least one
     sequence each)."""
     out: list[list[int]] = []

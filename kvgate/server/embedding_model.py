@@ -23,6 +23,7 @@ import kvgate
 from kvgate.engine.lineage import ModelVersion, weights_digest
 from kvgate.errors import KVGateError
 from kvgate.governance.tenants import TenantSpec
+from kvgate.retrieval.e5_encoder import batches
 from kvgate.retrieval.retrieval import E5Embedder
 from kvgate.retrieval.service import DocsService
 from kvgate.server.errors import ModelNotAllowed, ModelNotServed
@@ -126,7 +127,7 @@ class EmbeddingModel:
         encoder = self.encoder()
         order = sorted(range(len(content)), key=lambda i: len(content[i]))
         out = np.zeros((len(content), encoder.dim), dtype=np.float32)
-        for run in _passes([len(content[i]) + 2 for i in order], PASS_TOKENS):
+        for run in batches([len(content[i]) + 2 for i in order], PASS_TOKENS):
             picked = [order[k] for k in run]
             with _ENCODER:
                 out[picked] = encoder.vectors([content[i] for i in picked])
@@ -157,19 +158,3 @@ def _version(precision: str) -> ModelVersion:
     described = {"weights_sha256": weights, "precision": precision, "kvgate": kvgate.__version__}
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return ModelVersion(f"{NAME}-{digest[:12]}", digest, weights, created, source)
-
-
-def _passes(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Consecutive index runs of ``lengths`` of at most ``budget`` tokens (one at least)."""
-    out: list[list[int]] = []
-    run: list[int] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if run and total + n > budget:
-            out.append(run)
-            run, total = [], 0
-        run.append(i)
-        total += n
-    if run:
-        out.append(run)
-    return out

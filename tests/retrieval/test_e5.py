@@ -165,4 +165,4 @@ def test_attention_groups_cover_every_token_once_with_little_padding(lens: list[
 
 
 def test_batches_hold_at_most_the_budget_unless_one_sequence_is_longer() -> None:
-    assert e5_encoder._batches([3, 3, 3, 5, 9], 6) == [[0, 1], [2], [3], [4]]
+    assert e5_encoder.batches([3, 3, 3, 5, 9], 6) == [[0, 1], [2], [3], [4]]
