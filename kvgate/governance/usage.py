@@ -35,7 +35,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -312,10 +312,10 @@ class UsageLedger:
                 if con.in_transaction:
                     con.execute("ROLLBACK")
                 for _, future in batch:
-                    future.set_exception(exc)
+                    _settle(future, exc)
             else:
                 for _, future in batch:
-                    future.set_result(None)
+                    _settle(future, None)
             if None in items:
                 break
         con.close()
@@ -394,3 +394,14 @@ class UsageLedger:
                 totals[key] += r[key]
         totals["requests"] = len(records)
         return {"totals": totals, "records": records}
+
+
+def _settle(future: Future[Any], exc: BaseException | None) -> None:
+    """Tell a write's waiter how it went. A waiter that left (its stream's client
+    disconnected: ``asyncio.wrap_future`` cancels the future) is told nothing; setting a
+    cancelled future raised in this thread and ended the ledger's writer."""
+    with contextlib.suppress(InvalidStateError):
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)

@@ -152,3 +152,20 @@ def test_a_late_delivered_mark_does_not_set_the_counts_back(tmp_path: Path) -> N
     again = UsageLedger(path)
     assert _rows(path) == [("r1", "reconciled", 40, "interrupted")]
     again.close()
+
+
+def test_a_waiter_that_left_does_not_stop_the_writer(tmp_path: Path) -> None:
+    """A stream whose client leaves while it waits for its delivered mark cancels the
+    mark's future (``asyncio.wrap_future``); the writer must go on (it used to raise
+    InvalidStateError in its thread and end there, so no write completed again)."""
+    ledger = UsageLedger(tmp_path / "u.db", flush_s=0.5)
+    row = ledger.admit("r1", "alpha", "m", "m@1", prompt_tokens=10)
+    left = ledger.delivered(row, Counts(10, 1))
+    assert left.cancel()  # still queued: the writer waits flush_s for more
+    other = ledger.admit("r2", "alpha", "m", "m@1", prompt_tokens=3)
+    ledger.settle(other, Counts(3, 2), "stop", delivered=True).result(10)
+    ledger.settle(row, Counts(10, 4), "stop").result(10)
+    assert [r[:3] for r in _rows(tmp_path / "u.db")] == [
+        ("r1", "settled", 4), ("r2", "settled", 2),
+    ]  # fmt: skip
+    ledger.close()

@@ -15,7 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 
 from tests.server.conftest import MODEL, LiveServer, start_tenants_server
 
@@ -28,7 +29,12 @@ keys = ["sk-alpha"]
 [tenants.beta]
 keys = ["sk-beta"]
 max_stored_responses = 2
+
+[tenants.gamma]
+keys = ["sk-gamma"]
 """
+
+EVENTS: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 
 WEATHER = {
     "type": "function",
@@ -81,6 +87,8 @@ def _events(live: LiveServer, body: dict[str, Any]) -> list[dict[str, Any]]:
                 assert data["type"] == name
                 events.append(data)
     assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    for event in events:  # every event as the openai client's types require it
+        EVENTS.validate_python(event)
     return events
 
 
@@ -175,6 +183,8 @@ def test_streamed_text_follows_openais_events(server: LiveServer) -> None:
     stored = httpx.get(f"{server.api_url}/responses/{final['id']}",
                        headers={"Authorization": "Bearer sk-alpha"}).json()  # fmt: skip
     assert stored == final  # a streamed response is stored as it ended
+    Response.model_validate(final)
+    assert final["output"][0]["status"] == "incomplete"  # the message was cut too
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["content"][0]["text"] == text
     assert final["usage"]["output_tokens"] == 8
@@ -332,6 +342,9 @@ def test_a_background_response_is_cancelled(server: LiveServer) -> None:
     assert client.responses.retrieve(made.id).status == cancelled.status
     if cancelled.status == "cancelled":
         assert cancelled.usage is not None and cancelled.usage.output_tokens < 400
+        assert cancelled.usage.input_tokens > 0
+        if cancelled.usage.output_tokens:  # what it had made is kept, cut
+            assert [o.status for o in cancelled.output] == ["incomplete"]
 
 
 def test_what_responses_refuse(server: LiveServer) -> None:
@@ -358,3 +371,44 @@ def test_what_responses_refuse(server: LiveServer) -> None:
     # Reasoning is accepted and ignored (no served model reasons apart from its answer).
     ok = _post(server, {"input": "x", "reasoning": {"effort": "low"}, "max_output_tokens": 1})
     assert ok.status_code == 200, ok.text
+
+
+def test_response_ids_are_the_servers_not_the_clients_request_id(server: LiveServer) -> None:
+    ids = set()
+    for key in ("sk-alpha", "sk-gamma"):
+        r = httpx.post(f"{server.api_url}/responses",
+                       json={"model": MODEL, "input": "x", "max_output_tokens": 1, "store": True},
+                       headers={"Authorization": f"Bearer {key}", "x-request-id": "same-id"},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id"  # the log's name for it
+        ids.add(r.json()["id"])
+        httpx.delete(f"{server.api_url}/responses/{r.json()['id']}",
+                     headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert len(ids) == 2 and not any("same-id" in i for i in ids)
+
+
+def test_a_stream_whose_client_leaves_is_stored_as_failed(server: LiveServer) -> None:
+    with httpx.stream("POST", f"{server.api_url}/responses",
+                      json={"model": MODEL, "input": "tell a long story", "stream": True,
+                            "max_output_tokens": 400},
+                      headers={"Authorization": "Bearer sk-alpha"}, timeout=60) as r:  # fmt: skip
+        lines = r.iter_lines()
+        created = None
+        for line in lines:
+            if line.startswith("data: "):
+                created = json.loads(line[len("data: ") :])["response"]["id"]
+                break
+    assert created is not None  # the client left after the first event
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = httpx.get(f"{server.api_url}/responses/{created}",
+                        headers={"Authorization": "Bearer sk-alpha"}).json()  # fmt: skip
+        if got["status"] != "in_progress":
+            break
+        time.sleep(0.05)
+    # It ended one way or the other (a fast machine may finish before the client's close
+    # is seen): never left in_progress.
+    assert got["status"] in ("failed", "incomplete"), got["status"]
+    if got["status"] == "failed":
+        assert "client" in got["error"]["message"]

@@ -66,6 +66,32 @@ def test_the_quota_counts_the_tenants_rows(store: ResponseStore) -> None:
     store.create("beta", _response("resp_2"), [], None)
 
 
+def test_expired_rows_count_against_no_quota(url: str | None, tmp_path: Path) -> None:
+    store = ResponseStore.open(tmp_path, url, retention_s=60, max_for={"beta": 1}.get)
+    old = _response("resp_old")  # left in_progress by a process long gone
+    old["created_at"] -= 120
+    store.create("beta", old, [], None)
+    store.check_room("beta")  # the expired row is no longer the tenant's
+    store.create("beta", _response("resp_new"), [], None)
+    store._swept = 0.0
+    store.create("alpha", _response("resp_a"), [], None)  # a write sweeps
+    assert store.status("resp_old") == "in_progress"  # unfinished: kept for a grace period
+    aged = _response("resp_aged")
+    aged["created_at"] -= 120 + 3600
+    store.create("alpha", aged, [], None)
+    store._swept = 0.0
+    store.create("alpha", _response("resp_b"), [], None)
+    assert store.status("resp_aged") is None
+    store.close()
+
+
+def test_a_started_background_row_reads_in_progress(store: ResponseStore) -> None:
+    store.create("alpha", _response("resp_bg", "queued", background=True), [], None)
+    assert store.get("resp_bg", "alpha").response["status"] == "queued"  # type: ignore[union-attr]
+    store.started("resp_bg")
+    assert store.get("resp_bg", "alpha").response["status"] == "in_progress"  # type: ignore[union-attr]
+
+
 def test_a_chain_is_followed_oldest_first_within_its_tenant(store: ResponseStore) -> None:
     store.create("alpha", _response("resp_1"), [], None)
     store.create("alpha", _response("resp_2"), [], "resp_1")
@@ -111,7 +137,10 @@ def test_what_a_stopped_process_left_is_failed(url: str | None, tmp_path: Path) 
     host = socket.gethostname()
     rows = {
         "resp_dead": f"{host}:{_dead_pid()}:aa",  # this host, its process gone
-        "resp_live": f"{host}:{os.getpid()}:bb",  # this host, a process still running
+        "resp_live": f"{host}:{os.getppid()}:bb",  # this host, a process still running
+        # this very pid, another store's token: a restarted container whose server got the
+        # same pid (1) again
+        "resp_reborn": f"{host}:{os.getpid()}:dd",
         "resp_away": f"elsewhere:{_dead_pid()}:cc",  # another host: not ours to judge
     }
     for rid, owner in rows.items():
@@ -126,5 +155,6 @@ def test_what_a_stopped_process_left_is_failed(url: str | None, tmp_path: Path) 
     assert dead is not None and dead.status == "failed"
     assert dead.response["status"] == "failed" and "stopped" in dead.response["error"]["message"]
     assert store.status("resp_live") == "in_progress"
+    assert store.status("resp_reborn") == "failed"
     assert store.status("resp_away") == "in_progress"
     db.close()

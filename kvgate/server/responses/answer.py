@@ -11,6 +11,7 @@ out to be calls.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,18 +59,22 @@ class Call:
     cut: bool = False
 
     def item(self, status: str = "completed") -> dict[str, Any]:
-        if status == "completed" and self.cut:
+        done = status != "in_progress"
+        if done and self.cut:
             status = "incomplete"
         return {"id": self.item_id, "type": "function_call", "status": status,
                 "call_id": self.call_id, "name": self.name,
-                "arguments": self.arguments if status == "completed" else ""}  # fmt: skip
+                "arguments": self.arguments if done else ""}  # fmt: skip
 
 
 def usage_of(tracker: Tracker) -> dict[str, Any]:
     u = tracker.usage()
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {
+            "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],
@@ -83,9 +88,13 @@ class Answer:
     def __init__(self, body: ResponsesRequest, model: str, request_id: str, may_call: bool):
         self.body = body
         self.model = model
-        self.id = f"resp_{request_id}"
+        # Ids of the server's own making, never the client's x-request-id (which names the
+        # request in the logs): a stored response's id must not be claimable by a client.
+        token = secrets.token_hex(16)
+        self.id = f"resp_{token}"
+        self.request_id = request_id
         self.created = int(time.time())
-        self.message_id = f"msg_{request_id}"
+        self.message_id = f"msg_{token}"
         self.search: Search | None = None
         self.prefix = ""  # extract mode: the quoted evidence before the model's text
         self.text = ""  # the message's text as the reader gave it
@@ -118,8 +127,17 @@ class Answer:
         text = self.prefix + self.text
         return {"type": "output_text", "text": text, "annotations": self.annotations(text)}
 
-    def message_item(self, status: str = "completed") -> dict[str, Any]:
-        content = [self.part()] if status == "completed" else []
+    @property
+    def cut(self) -> bool:
+        """The output was cut (``max_output_tokens``, or a cancel): its items are
+        ``incomplete``."""
+        return self.finish_reason not in (None, "stop")
+
+    def message_item(self, status: str | None = None) -> dict[str, Any]:
+        """The message item (``status`` None: as it ended, ``incomplete`` when cut)."""
+        if status is None:
+            status = "incomplete" if self.cut else "completed"
+        content = [self.part()] if status != "in_progress" else []
         return {"id": self.message_id, "type": "message", "role": "assistant",
                 "status": status, "content": content}  # fmt: skip
 
@@ -129,7 +147,7 @@ class Answer:
 
     def output(self, status: str) -> list[dict[str, Any]]:
         items = [self.search.item()] if self.search is not None and self.search.queries else []
-        if status in ("completed", "incomplete"):
+        if status in ("completed", "incomplete", "cancelled"):
             if self.has_message:
                 items.append(self.message_item())
             items += [c.item() for c in self.calls]
@@ -147,6 +165,8 @@ class Answer:
             metadata["kvgate_dropped_sources"] = str(self.search.dropped)
         fmt = body.text.format if body.text is not None else None
         text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        if text_format["type"] == "json_schema":
+            text_format.setdefault("name", "response")
         choice = body.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.created,

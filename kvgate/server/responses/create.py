@@ -7,11 +7,13 @@ whole, streamed, or in the background, stored unless ``store`` is false (``store
 from __future__ import annotations
 
 import asyncio
-import time
+import json
+import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
@@ -47,9 +49,14 @@ from kvgate.server.responses.items import (
 from kvgate.server.responses.protocol import ResponsesRequest
 from kvgate.server.responses.stored import STOPPED, ResponseStore
 from kvgate.server.serving import ServingContext
-from kvgate.server.streaming import EventStream, unless_disconnected
+from kvgate.server.streaming import ClientDisconnected, EventStream, unless_disconnected
 from kvgate.server.tracing import CHAT
 from kvgate.server.tracker import Tracker
+
+log = logging.getLogger("kvgate.server")
+
+#: Writes of rows whose stream was closed: kept referenced until they are done.
+_PENDING: set[asyncio.Task[None]] = set()
 
 #: Tokens kept free for the answer when the request sets no max_output_tokens.
 DEFAULT_ANSWER_TOKENS = 512
@@ -184,6 +191,9 @@ async def create_response(
         raise InvalidRequest("file_search needs a user message with text", param="input")
     spec = ctx.governance.spec(who)
     texts = [str(m.get("content") or "") for m in messages] + [body.instructions or ""]
+    texts += [c["function"]["name"] + c["function"]["arguments"]
+              for m in messages for c in m.get("tool_calls", ())]  # fmt: skip
+    texts.append(json.dumps(body.tools) if body.tools else "")
     ctx.door.counted(who, _check_input, ctx, len(messages), [(texts, 0)], spec)
     store = where.store if body.stored else None
     if store is not None:
@@ -218,7 +228,7 @@ async def create_response(
         return JSONResponse(answer.response("queued"))
     if body.stream:
         return EventStream(
-            run.stream(), on_close=tracker.close,
+            run.stream(), on_close=run.closed,
             stalled_timeout=ctx.door.limits.stalled_client_timeout,
         )  # fmt: skip
     try:
@@ -230,6 +240,25 @@ async def create_response(
     finally:
         tracker.close()
     return JSONResponse(await run.done())
+
+
+#: A failed response's ``error.code``: OpenAI's list has few codes; kvgate's own code goes
+#: into the message (``[queue_timeout] ...``).
+_RATE_CODES = frozenset({"queue_timeout", "rate_limit_exceeded", "tenant_limit_exceeded",
+                         "overloaded"})  # fmt: skip
+_PROMPT_CODES = frozenset({"context_length_exceeded", "invalid_request_error", "grammar_failed"})
+
+
+def public_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``error`` with a code from OpenAI's ``ResponseError`` list."""
+    if error is None:
+        return None
+    code = str(error.get("code") or "server_error")
+    if code in ("server_error", "rate_limit_exceeded", "invalid_prompt"):
+        return {"code": code, "message": error.get("message", "")}
+    public = "rate_limit_exceeded" if code in _RATE_CODES else (
+        "invalid_prompt" if code in _PROMPT_CODES else "server_error")  # fmt: skip
+    return {"code": public, "message": f"[{code}] {error.get('message', '')}"}
 
 
 class _Run:
@@ -253,23 +282,49 @@ class _Run:
 
     def _final(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         answer, tracker = self.answer, self.tracker
-        answer.finish_reason = tracker.results[0].finish_reason
+        answer.finish_reason = tracker.results[0].finish_reason or (
+            "abort" if status == "cancelled" else None
+        )
         answer.usage = usage_of(tracker)
-        return answer.response(status, error)
+        if not answer.usage["input_tokens"]:  # cut before the engine told its counts
+            prompt = tracker.record.prompt_tokens or 0
+            answer.usage["input_tokens"] = prompt
+            answer.usage["total_tokens"] = prompt + answer.usage["output_tokens"]
+        return answer.response(status, public_error(error))
 
     async def _write(self, response: dict[str, Any], force: bool = False) -> None:
+        """The row's last word, written even while the task is being cancelled (a stream
+        whose client left is closed inside a cancelled scope: unshielded, the write never
+        ran and the row stayed ``in_progress``)."""
         self.ended = True
-        if self.store is not None:
-            await run_in_threadpool(self.store.finish, response, force)
+        if self.store is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await run_in_threadpool(self.store.finish, response, force)
+            except Exception:
+                log.exception("stored response %s: its final state was not written", response["id"])
+
+    def closed(self) -> None:
+        """The stream's response is over (``EventStream.on_close``): the tracker closes, and
+        a row the stream never ended (the client left before or while it ran) is failed."""
+        self.tracker.close()
+        if not self.ended and self.store is not None:
+            self.ended = True
+            task = asyncio.get_running_loop().create_task(
+                self.stopped(ClientDisconnected("the client left"), force=True)
+            )
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
 
     async def done(self) -> dict[str, Any]:
         response = self._final("completed")
         await self._write(response)
         return response
 
-    async def stopped(self, exc: BaseException) -> None:
+    async def stopped(self, exc: BaseException, force: bool = False) -> None:
         """The run ended early: its row says how (a client that left: ``failed``)."""
-        if self.ended:
+        if self.ended and not force:
             return
         if isinstance(exc, KVGateError):
             error = {"code": exc.code, "message": exc.message}
@@ -299,6 +354,7 @@ class _Run:
                     await tracker.deliver()
                 for event in events:
                     yield event
+            answer.finish_reason = tracker.results[0].finish_reason
             for event in answer.finish():
                 yield event
         except KVGateError as exc:
@@ -322,15 +378,15 @@ class _Run:
         process marks the row; this run looks at it every ``POLL_S`` seconds."""
         assert self.store is not None
         answer, store = self.answer, self.store
-        looked = time.monotonic()
+        run = asyncio.current_task()
+        assert run is not None
+        watch = asyncio.get_running_loop().create_task(self._watch(store, run))
         try:
+            await run_in_threadpool(store.started, answer.id)
             async for i, out in run_merged(self.ctx.engine, self.requests, self.tracker.watch):
                 self.tracker.on_output(i, out)
                 answer.feed(out.text)
-                if time.monotonic() - looked > POLL_S:
-                    looked = time.monotonic()
-                    if await run_in_threadpool(store.status, answer.id) == "cancelled":
-                        raise asyncio.CancelledError
+            answer.finish_reason = self.tracker.results[0].finish_reason
             answer.finish()
             await self.tracker.settle_whole()
             await self._write(self._final("completed"))
@@ -343,5 +399,19 @@ class _Run:
                 await self._write(self._final("failed", STOPPED))
                 raise
             await self._write(self._final("cancelled"), force=True)
+        except Exception as exc:  # a bug or the database: the row must not stay queued
+            log.exception("background response %s failed", answer.id)
+            error = {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}
+            await self._write(self._final("failed", error))
         finally:
+            watch.cancel()
             self.tracker.close()
+
+    async def _watch(self, store: ResponseStore, run: asyncio.Task[Any]) -> None:
+        """Every ``POLL_S`` seconds, the run's row: cancelled (or deleted) by another
+        process, the run is cancelled here, queued or running."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            if await run_in_threadpool(store.status, self.answer.id) in (None, "cancelled"):
+                run.cancel()
+                return

@@ -191,7 +191,14 @@ class ResponsesRequest(_Body):
     #: Answer at once with the response ``queued``; poll ``GET``, ``POST .../cancel``.
     background: bool | None = None
     previous_response_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
-    metadata: dict[str, str] | None = None
+    #: OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512.
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     #: kvgate's: ``extract`` quotes the best clause verbatim before the model's answer.

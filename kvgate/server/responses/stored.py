@@ -55,6 +55,13 @@ class StoredResponse:
     input: list[dict[str, Any]]
 
 
+#: A tenant's rows that count against its quota: those not past the retention.
+_COUNT = "SELECT COUNT(*) FROM responses WHERE tenant = ? AND created_at >= ?"
+#: Seconds past the retention after which an unfinished row is deleted too (its process is
+#: long gone; a live run would have ended).
+_UNFINISHED_GRACE_S = 3600.0
+
+
 def _full(tenant: str, most: int) -> StorageQuotaExceeded:
     return StorageQuotaExceeded(
         f"tenant {tenant!r} may store at most {most} responses; delete some (DELETE "
@@ -115,8 +122,11 @@ class ResponseStore:
         for response_id, owner, raw in rows:
             owner_host, _, rest = str(owner).partition(":")
             pid = rest.partition(":")[0]
-            if owner_host != host or not pid.isdigit() or _alive(int(pid)):
-                continue  # another host's, or a process still running
+            if owner_host != host or not pid.isdigit():
+                continue  # another host's
+            if _alive(int(pid)) and not (int(pid) == os.getpid() and owner != self.owner):
+                continue  # a process still running (this pid with another token: a container
+                # restarted, whose server has the same pid again)
             response = json.loads(raw)
             response.update(status="failed", error=STOPPED)
             self.db.write(
@@ -139,7 +149,7 @@ class ResponseStore:
             if self.db.lock_tenant:
                 tx.rows(self.db.lock_tenant, (tenant,))
             if most is not None:
-                (count,) = tx.rows("SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,))[0]
+                (count,) = tx.rows(_COUNT, (tenant, self._cutoff()))[0]
                 if int(count) >= most:
                     raise _full(tenant, most)
             tx.write(
@@ -153,7 +163,7 @@ class ResponseStore:
         """Refuse, before any work, a response the tenant has no room to store."""
         most = self.max_for(tenant)
         if most is not None:
-            (count,) = self.db.rows("SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,))[0]
+            (count,) = self.db.rows(_COUNT, (tenant, self._cutoff()))[0]
             if int(count) >= most:
                 raise _full(tenant, most)
 
@@ -186,6 +196,8 @@ class ResponseStore:
         response = json.loads(raw)
         if self._expired(response):
             return None
+        if status in _UNFINISHED:
+            response["status"] = status  # queued -> in_progress is written to the column only
         return StoredResponse(rid, owner, status, previous, response, json.loads(listed))
 
     def cancel(self, response_id: str) -> None:
@@ -217,8 +229,18 @@ class ResponseStore:
             at = row.previous_id
         return out[::-1]
 
+    def _cutoff(self) -> int:
+        return int(time.time() - self.retention_s)
+
     def _expired(self, response: dict[str, Any]) -> bool:
         return float(response.get("created_at", 0)) < time.time() - self.retention_s
+
+    def started(self, response_id: str) -> None:
+        """A queued background response begins to run."""
+        self.db.write(
+            "UPDATE responses SET status = 'in_progress' WHERE id = ? AND status = 'queued'",
+            (response_id,),
+        )
 
     def _sweep(self) -> None:
         now = time.time()
@@ -229,4 +251,8 @@ class ResponseStore:
         self.db.write(
             "DELETE FROM responses WHERE created_at < ? AND status NOT IN (?, ?)",
             (int(now - self.retention_s), *_UNFINISHED),
+        )
+        self.db.write(
+            "DELETE FROM responses WHERE created_at < ?",
+            (int(now - self.retention_s - _UNFINISHED_GRACE_S),),
         )
