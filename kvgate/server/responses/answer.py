@@ -85,14 +85,13 @@ class Answer:
     """The response ``id`` and what it has produced; ``feed`` / ``finish`` read the model's
     text and give the stream's events for it."""
 
-    def __init__(self, body: ResponsesRequest, model: str, request_id: str, may_call: bool):
+    def __init__(self, body: ResponsesRequest, model: str, may_call: bool):
         self.body = body
         self.model = model
         # Ids of the server's own making, never the client's x-request-id (which names the
         # request in the logs): a stored response's id must not be claimable by a client.
         token = secrets.token_hex(16)
         self.id = f"resp_{token}"
-        self.request_id = request_id
         self.created = int(time.time())
         self.message_id = f"msg_{token}"
         self.search: Search | None = None

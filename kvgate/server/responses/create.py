@@ -198,7 +198,7 @@ async def create_response(
     store = where.store if body.stored else None
     if store is not None:
         await run_in_threadpool(store.check_room, where.caller.tenant)
-    answer = Answer(body, ctx.served_model_name, record.request_id, may_call=False)
+    answer = Answer(body, ctx.served_model_name, may_call=False)
     if tool is not None and where.docs is not None:
         for store_id in tool.vector_store_ids:  # each is the caller's, before any work
             where.docs.vector_store(where.caller.tenant, store_id)
