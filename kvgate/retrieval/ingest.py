@@ -22,7 +22,7 @@ from typing import Any
 from kvgate.retrieval.bounds import FileTooComplex, IngestLimits, MiB
 from kvgate.retrieval.chunking import Chunk, chunk_auto, chunk_static
 from kvgate.retrieval.quota import StorageQuotaExceeded
-from kvgate.retrieval.retrieval import Embedder, index_text, words
+from kvgate.retrieval.retrieval import Embedder, chunk_vectors, index_text, words
 from kvgate.retrieval.store import DocStore, StoredChunk
 from kvgate.retrieval.text import UnreadableFile, extract_text
 
@@ -130,6 +130,9 @@ def _ingest(
     chunks = chunks_of(text, record.chunking, embedder.count_tokens)
     store.check_chunks(store_id, file_id, chunks)  # over quota: before embedding them
     title = title_of(text, file.filename)
+    # Paragraph vectors for structure-aware chunks only: a static window's paragraphs are
+    # cut anywhere, and ``static`` is OpenAI's plain windows.
+    paragraphs = record.chunking.get("type") != "static"
     stored: list[StoredChunk] = []
     for i in range(0, len(chunks), EMBED_BATCH):
         if not store.beat(store_id, file_id, job):  # renews its lease, or it is gone
@@ -137,7 +140,7 @@ def _ingest(
             return
         part = chunks[i : i + EMBED_BATCH]
         texts = [index_text(title, c) for c in part]
-        vectors = embedder.passages(texts)
+        vectors = chunk_vectors(embedder, title, part, paragraphs)
         for j, (chunk, t) in enumerate(zip(part, texts, strict=True)):
             stored.append(StoredChunk(store_id, file_id, i + j, chunk, words(t), vectors[j]))
         if (i // EMBED_BATCH) % 5 == 4:

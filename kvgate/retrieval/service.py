@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvgate.errors import InvalidRequest, KVGateError
 from kvgate.retrieval.bounds import IngestLimits
 from kvgate.retrieval.filters import matches
@@ -437,7 +435,7 @@ class DocsService:
                 rows = self.store.job_chunks(store_id, file_id, job)
                 if rows:
                     synced.index.add([c.key for c in rows], [c.terms for c in rows],
-                                     np.stack([c.vector for c in rows]))  # fmt: skip
+                                     [c.vector for c in rows])  # fmt: skip
                 # Even with no rows (added again since): the next sync sees the new job.
                 synced.jobs[file_id] = job
         return synced

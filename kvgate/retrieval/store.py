@@ -127,6 +127,8 @@ class StoredChunk:
     seq: int
     chunk: Chunk
     terms: list[str]
+    #: Its whole text's vector then its paragraphs' (``retrieval.chunk_vectors``): written as
+    #: ``[1 + n, dim]`` or ``[dim]``, read back flat (``HybridIndex.add`` takes either).
     vector: np.ndarray
 
     @property
