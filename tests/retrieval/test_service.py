@@ -85,6 +85,38 @@ def test_ingest_search_and_rebuild_after_a_restart(tmp_path: Path, docs_url: str
     again.close()
 
 
+ITEMS = (
+    "# 示例法\n\n第一条 本法适用于用人单位。\n\n"
+    "第二条 劳动者有下列情形之一的，用人单位不得解除劳动合同：\n\n"
+    "（一）从事接触职业病危害作业的；\n\n（二）女职工在孕期、产期、哺乳期的；\n\n"
+    "（三）在本单位连续工作满十五年的。\n"
+)
+
+
+def test_auto_chunks_keep_paragraph_vectors_through_a_restart(
+    tmp_path: Path, docs_url: str | None
+) -> None:
+    """An ``auto`` chunk of several paragraphs is stored with its whole vector and one per
+    paragraph after its first; a ``static`` window with one. The index rebuilt from the
+    database after a restart scores exactly as the one built at ingestion."""
+    docs = _service(tmp_path / "data", docs_url)
+    file_id = _upload(docs, tmp_path, "t", "items.md", ITEMS.encode())
+    auto = docs.create_store("t", "auto", [file_id], {"type": "auto"}, {})
+    static = {"max_chunk_size_tokens": 400, "chunk_overlap_tokens": 0}
+    flat = docs.create_store("t", "static", [file_id], {"type": "static", "static": static}, {})
+    assert docs.wait_idle()
+    rows = {c.chunk.section[-1]: c.vector.size // 64 for c in docs.store.chunks(auto.id)}
+    assert rows == {"第一条": 1, "第二条": 4}
+    assert [c.vector.size // 64 for c in docs.store.chunks(flat.id)] == [1]
+    query = "孕期、产期、哺乳期的女职工"
+    before = [(h.text, h.score) for h in docs.search("t", [auto.id], query, 2)]
+    assert before[0][0].startswith("第二条")
+    docs.close()
+    again = _service(tmp_path / "data", docs_url)
+    assert [(h.text, h.score) for h in again.search("t", [auto.id], query, 2)] == before
+    again.close()
+
+
 def test_filters_removal_and_ownership(tmp_path: Path, docs_url: str | None) -> None:
     docs = _service(tmp_path / "data", docs_url)
     one = _upload(docs, tmp_path, "t", "one.md", LAW.encode())
