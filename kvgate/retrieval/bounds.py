@@ -40,7 +40,8 @@ class FileTooComplex(UnreadableFile):
 @dataclass(frozen=True)
 class IngestLimits:
     """Per file: what its ingestion may take. Defaults: a 2-million-character law library at
-    ~4,000 characters/s (bench/longdoc.py on 2 cores) is ~500 s, inside ``job_seconds``."""
+    ~2,000 characters/s (``auto`` chunks with their paragraph vectors, bench/longdoc.py on 2
+    cores of an AVX2 or slower machine; 4,380 on a Zen 4) is ~1,000 s, inside ``job_seconds``."""
 
     #: Bytes a ``.docx``'s members may inflate to, together (declared sizes, checked first).
     max_unzipped_bytes: int = 128 * MiB
@@ -53,7 +54,7 @@ class IngestLimits:
     max_text_chars: int = 2_000_000
     #: Seconds one job may run in the ingestion process before it is stopped (wall clock, from
     #: when the job is handed to it; the process's start-up does not count).
-    job_seconds: float = 600.0
+    job_seconds: float = 1200.0
     #: Bytes of memory the ingestion process may hold (its data segment, RLIMIT_DATA, and its
     #: resident set, watched from the server). Its baseline with PyTorch, the e5 embedder and
     #: jieba loaded is ~750 MiB (VmData 735, VmRSS 764 on Linux 6.18, torch 2.13).

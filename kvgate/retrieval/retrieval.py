@@ -13,9 +13,10 @@ dense score is then the better of its whole vector's and the mean of that and it
 paragraph's: a question about one item of a long article (one ground of ten, a definition in
 a 用语含义 article) matches that item far better than the article's average, but an item
 alone does not outrank a whole article that matches as well. On 48 questions of our own
-(bench/data/longdoc_tune.jsonl, 24 paraphrases) this lifted recall@5 from 0.69 to 0.79 and
-on paraphrases from 0.58 to 0.75; the best paragraph alone (no mean) gave 0.77, sentences
-instead of paragraphs 0.77, paragraphs without the opening 0.73.
+(bench/data/longdoc_tune.jsonl, 24 paraphrases; neighbour support 0.1, as it then was) this
+lifted recall@5 from 0.69 to 0.79 and on paraphrases from 0.58 to 0.75; the best paragraph
+alone (no mean) gave 0.77, sentences instead of paragraphs 0.77, paragraphs without the
+opening 0.73.
 
 Neighbour support (off by default): each chunk may gain ``NEIGHBOUR_WEIGHT`` of the fused
 scores of the chunks just before and after it in its file. 0.1 was chosen on the 30
