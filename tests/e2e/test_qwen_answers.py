@@ -84,7 +84,14 @@ def test_answers_are_right_and_cite_the_gold_article(
     # On an Intel Xeon (AMX) all three were found at rank 1; responses answered 2 of 3 (ld086:
     # six months, the longest probation of any contract) and cited 3 of 3, extract answered
     # and cited 3 of 3; the same with the kernels forced to AVX2. Another CPU's kernel path
-    # may word an answer otherwise, hence 2 of 3.
-    assert all(o.retrieved_ok for o in outcomes)
+    # may word an answer otherwise, hence 2 of 3. Since neighbour support left the fusion
+    # (2026-12-07: it cost recall on questions it was not tuned on), ld086's gold ranks
+    # second behind its twin in the other labour law (劳动法 第二十一条): responses still
+    # shows it, extract quotes the best clause only (on a Zen 4: 2 of 3 shown, answered and
+    # cited there).
+    if mode == "extract":
+        assert sum(o.retrieved_ok for o in outcomes) >= 2
+    else:
+        assert all(o.retrieved_ok for o in outcomes)
     assert sum(o.correct for o in outcomes) >= 2
     assert sum(o.cite_ok for o in outcomes) >= 2
