@@ -181,6 +181,28 @@ def _sdk_calls(result: agents.RunResult | agents.RunResultStreaming) -> list[dic
     return [json.loads(i.raw_item.arguments) for i in items]  # type: ignore[union-attr]
 
 
+def _forecaster(model: agents.Model, first: str, calls: list[str]) -> agents.Agent[Any]:
+    """An agent with a wind tool (each call's city goes to ``calls``) and ``Forecast`` as
+    its output type, greedy, ``first`` as its tool choice."""
+
+    @agents.function_tool
+    def get_wind(city: City) -> str:
+        """The wind in a city."""
+        calls.append(city)
+        return "calm"
+
+    return agents.Agent(
+        name="forecaster",
+        instructions="Tell whether it is sunny and how windy.",
+        model=model,
+        tools=[get_wind],
+        output_type=Forecast,
+        model_settings=agents.ModelSettings(
+            tool_choice=first, temperature=0, max_tokens=200, parallel_tool_calls=False
+        ),
+    )
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("kind", SDK_MODELS)
 def test_agents_sdk_runs_a_required_tool(
@@ -233,23 +255,8 @@ def test_agents_sdk_gives_a_structured_answer_beside_a_tool(
     resets the choice to auto), so the loop goes on past a tool's result."""
     calls: list[str] = []
 
-    @agents.function_tool
-    def get_wind(city: City) -> str:
-        """The wind in a city."""
-        calls.append(city)
-        return "calm"
-
     async def main() -> agents.RunResult | agents.RunResultStreaming:
-        agent = agents.Agent(
-            name="forecaster",
-            instructions="Tell whether it is sunny and how windy.",
-            model=_sdk_model(kind, _async_openai(server, exchanges)),
-            tools=[get_wind],
-            output_type=Forecast,
-            model_settings=agents.ModelSettings(
-                tool_choice=first, temperature=0, max_tokens=200, parallel_tool_calls=False
-            ),
-        )
+        agent = _forecaster(_sdk_model(kind, _async_openai(server, exchanges)), first, calls)
         return await _sdk_run(agent, stream, max_turns=4)
 
     result = exchanges.run(main)
@@ -303,23 +310,9 @@ def test_agents_sdk_chains_turns_by_previous_response_id(
     and names the stored response they follow (kvgate continues its conversation)."""
     calls: list[str] = []
 
-    @agents.function_tool
-    def get_wind(city: City) -> str:
-        """The wind in a city."""
-        calls.append(city)
-        return "calm"
-
     async def main() -> agents.RunResult | agents.RunResultStreaming:
-        agent = agents.Agent(
-            name="forecaster",
-            instructions="Tell whether it is sunny and how windy.",
-            model=_sdk_model("responses", _async_openai(server, exchanges)),
-            tools=[get_wind],
-            output_type=Forecast,
-            model_settings=agents.ModelSettings(
-                tool_choice="required", temperature=0, max_tokens=200, parallel_tool_calls=False
-            ),
-        )
+        model = _sdk_model("responses", _async_openai(server, exchanges))
+        agent = _forecaster(model, "required", calls)
         return await _sdk_run(agent, stream=True, max_turns=4, auto_previous_response_id=True)
 
     result = exchanges.run(main)
