@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import EngineConfig
+from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.loop import Abort, Add, Call, EngineLoop, Shares
 from kvgate.engine.outputs import RequestOutput
@@ -76,9 +77,12 @@ class AsyncLLM(StreamingFront):
         """Run ``fn`` on the engine thread between two steps."""
         self._loop.put(Call(fn))
 
-    def update_shares(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
-        """Hand the fair policy new tenant shares (between two steps)."""
-        self._loop.put(Shares(dict(shares), default))
+    def update_shares(
+        self, shares: Mapping[str, TenantShare], default: TenantShare, slo: SloPolicy | None = None
+    ) -> None:
+        """Hand the fair policy new tenant shares, and the autopilot its SLO targets
+        (between two steps)."""
+        self._loop.put(Shares(dict(shares), default, slo))
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort from any thread; the engine frees the blocks before its next step."""

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from kvgate.config import EngineConfig
+from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.channel import Channel, ChannelKeys, Gate, serve_secured
 from kvgate.engine.core_proc import EngineInfo
 from kvgate.engine.loop import Abort, Add, Command, Shares
@@ -178,8 +179,10 @@ class EngineClient(StreamingFront):
         assert self._snapshot is not None  # set before __init__ returns
         return self._snapshot
 
-    def update_shares(self, shares: Mapping[str, TenantShare], default: TenantShare) -> None:
-        self._shares = Shares(dict(shares), default)
+    def update_shares(
+        self, shares: Mapping[str, TenantShare], default: TenantShare, slo: SloPolicy | None = None
+    ) -> None:
+        self._shares = Shares(dict(shares), default, slo)
         self._send(self._shares)
 
     def abort(self, request_id: str | Sequence[str]) -> None:

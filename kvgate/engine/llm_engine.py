@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 import kvgate
 from kvgate.config import EngineConfig, available_memory_bytes, parse_memory
+from kvgate.engine.autopilot import Autopilot, SloPolicy
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.disk_tier import DiskTier
 from kvgate.engine.disk_tier import default_dir as default_tier_dir
@@ -27,7 +28,7 @@ from kvgate.engine.kv_transfer import (
 from kvgate.engine.lineage import VERSIONED_SETTINGS, weights_digest
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
-from kvgate.engine.policy import SchedulingPolicy
+from kvgate.engine.policy import SchedulingPolicy, TenantShare
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.request_factory import RequestFactory
 from kvgate.engine.runner import ModelRunner, allocate_kv_caches
@@ -136,8 +137,12 @@ class LLMEngine:
         *,
         listeners: Sequence[StatsListener] = (),
         policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        #: The engine's time (``time.monotonic`` seconds): steps, latencies, the autopilot's
+        #: windows. Tests drive a virtual one.
+        self.clock = clock
         self.listeners: list[StatsListener] = list(listeners)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -274,7 +279,13 @@ class LLMEngine:
             ),
             self.kv_cache,
             policy,
+            clock=clock,
             drafter=self.drafter,
+        )
+        #: Moves the scheduler's knobs to hold the tenants file's SLO targets (inert until
+        #: ``update_shares`` hands it some).
+        self.autopilot = Autopilot(
+            self.scheduler.configured_knobs, self.scheduler.num_spare_slots, start=clock()
         )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -466,6 +477,34 @@ class LLMEngine:
         after a batch of them (``AsyncLLM`` after draining its commands)."""
         self.snapshot = EngineSnapshot.capture(self)
 
+    # ------------------------------------------------------------------ the SLO autopilot
+    def update_shares(
+        self, shares: Mapping[str, TenantShare], default: TenantShare, slo: SloPolicy | None
+    ) -> None:
+        """A tenants-file (re)load: the fair policy's shares, and the autopilot's targets
+        with the tenants' classes (``slo`` None: no targets, the knobs go back)."""
+        update = getattr(self.scheduler.policy, "update", None)
+        if update is not None:  # FIFO has no shares
+            update(shares, default)
+        ranks = {tenant: share.priority for tenant, share in shares.items()}
+        self.autopilot.configure(slo or SloPolicy(), ranks, default.priority)
+        self.scheduler.knobs = self.autopilot.knobs
+
+    def steer(self, now: float) -> bool:
+        """Let the autopilot judge the window that ended by ``now``, if one did, and hand
+        the scheduler its knobs. True: a knob moved."""
+        autopilot = self.autopilot
+        if not autopilot.due(now):
+            return False
+        waiting = [
+            (r.tenant, r.arrival_time)
+            for r in self.scheduler.requests.values()
+            if r.first_token_time is None
+        ]
+        moved = autopilot.tick(now, waiting) is not None
+        self.scheduler.knobs = autopilot.knobs
+        return moved
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
 
@@ -478,8 +517,9 @@ class LLMEngine:
         """Schedule a step and start it; its owner advances it (``EngineStep.advance``) and
         ends it (``end_step``). ``pause``: the step stops between each two layers, where its
         owner may add requests and run an urgent step (``step_urgent``)."""
-        t0 = time.monotonic()
+        t0 = self.clock()
         stats = IterationStats()
+        self.steer(t0)
         for request in self.scheduler.expire():
             self._aborted.append(self._final_output(request))
         io = self.tier_io
@@ -518,7 +558,7 @@ class LLMEngine:
         """
         if step.urgent_ran or step.done:
             return []
-        t0 = time.monotonic()
+        t0 = self.clock()
         sched = self.scheduler.schedule_urgent()
         if sched is None:
             return []
@@ -570,7 +610,11 @@ class LLMEngine:
                     stats.num_draft_tokens += seq.num_draft
                     stats.num_accepted_tokens += len(runner_out.accepted.get(seq.request_id, ()))
             outputs = self._collect(touched, runner_out, stats)
-        stats.step_seconds = time.monotonic() - step.t0
+        stats.step_seconds = self.clock() - step.t0
+        self.autopilot.observe(
+            zip(stats.ttft_tenants, stats.time_to_first_tokens, strict=True),
+            zip(stats.itl_tenants, stats.inter_token_latencies, strict=True),
+        )
         self.ledger.record(stats, self.kv_cache.tenant_blocks)
         # Each request's KV block-seconds, for its usage record (the blocks it held over
         # this step, whether it ran or waited preempted with blocks).
@@ -610,7 +654,7 @@ class LLMEngine:
         self, touched: list[Request], runner_out: RunnerOutput, stats: IterationStats
     ) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        now = time.monotonic()
+        now = self.clock()
         for request in touched:
             state = self._outputs[request.request_id]
             self._detokenize(request, state, runner_out)
@@ -668,10 +712,12 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
             stats.time_to_first_tokens.append(now - request.arrival_time)
+            stats.ttft_tenants.append(request.tenant)
             stats.num_prompt_tokens += request.num_prompt_tokens
             stats.prompt_tokens_by_tenant[request.tenant] += request.num_prompt_tokens
         elif request.last_token_time is not None:
             stats.inter_token_latencies.append(now - request.last_token_time)
+            stats.itl_tenants.append(request.tenant)
         request.last_token_time = now
 
     @staticmethod
@@ -717,7 +763,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
-            metrics=RequestMetrics.of(request, time.monotonic()) if finished else None,
+            metrics=RequestMetrics.of(request, self.clock()) if finished else None,
             tenant=request.tenant,
         )
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.llm_engine import EngineStep, LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import TenantShare
@@ -41,10 +42,12 @@ class Call:
 
 @dataclass(frozen=True)
 class Shares:
-    """New tenant shares for the engine's fair policy (a tenants-file reload)."""
+    """New tenant shares for the engine's fair policy, and SLO targets for its autopilot
+    (a tenants-file reload)."""
 
     shares: dict[str, TenantShare]
     default: TenantShare
+    slo: SloPolicy | None = None
 
 
 Command = Add | Abort | Call | Shares | None  # None: shut down
@@ -113,10 +116,15 @@ class EngineLoop:
                 # Stalled (e.g. a tenant at its KV ceiling), wait a little for a command rather
                 # than spin; requests may still expire, so do not wait for ever.
                 wait = None if idle else (_STALL_WAIT_S if stalled else 0.0)
+                if idle:  # the autopilot's knobs still go back while nothing runs
+                    wait = self.engine.autopilot.next_due(self.engine.clock())
                 if not self._drain_commands(wait):
                     self._close_engine()
                     self.sink.dead(RuntimeError("engine shut down"), shutdown=True)
                     return
+                if idle and self.engine.steer(self.engine.clock()):
+                    self.engine.publish()
+                    self.sink.published()
                 if not self.engine.has_unfinished():
                     continue
                 try:
@@ -245,8 +253,4 @@ class EngineLoop:
                 log.exception("engine-thread call failed")
 
     def _update_shares(self, cmd: Shares) -> Callable[[], None]:
-        policy = self.engine.scheduler.policy
-        update = getattr(policy, "update", None)
-        if update is None:
-            return lambda: None  # FIFO: no shares to hand
-        return lambda: update(cmd.shares, cmd.default)
+        return lambda: self.engine.update_shares(cmd.shares, cmd.default, cmd.slo)

@@ -12,6 +12,11 @@ someone for (a higher class, a tenant taking back its guarantee) take them, and 
 them until they end. Preempting would throw away the victim's work and give the slot straight
 back to the newcomer; running one more sequence costs a batch row. Only when the spare slots
 are taken does a slot preemption happen.
+
+Knobs: the step's token budget, the prefill chunk a request may take in one step, the running
+sequences' cap and the tenants whose new work is held are ``knobs`` (``autopilot.Knobs``): the
+configured values, unless the SLO autopilot moved them. A held tenant admits a new request
+only while it has none running, so its class keeps progressing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvgate.engine.autopilot import Knobs
 from kvgate.engine.drafter import NgramDrafter
 from kvgate.engine.kv_cache import KVCacheManager
 from kvgate.engine.messages import (
@@ -111,6 +117,8 @@ class Scheduler:
             else config.num_spare_seqs
         )
         self.spare: set[str] = set()
+        #: What the step runs with (the configured values unless the autopilot moved them).
+        self.knobs = self.configured_knobs
         #: Preemptions by what forced them: "pool" (no free blocks), "quota" (a tenant's
         #: ceiling), "slot" (max_num_seqs and the spare slots taken, for a request of a
         #: higher class or one taking back its guarantee).
@@ -118,6 +126,11 @@ class Scheduler:
         #: Requests ever added, and ever ended (finished, aborted, refused, expired).
         self.num_added = 0
         self.num_finished = 0
+
+    @property
+    def configured_knobs(self) -> Knobs:
+        c = self.config
+        return Knobs(c.max_num_batched_tokens, c.max_num_batched_tokens, c.max_num_seqs)
 
     @property
     def waiting(self) -> WaitingQueue:
@@ -178,7 +191,7 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         self.kv_cache.free(request)
         self.planner.on_finished(request)
         if request.request_id in self._sent_to_runner:
@@ -204,7 +217,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = self.planner.plan(self.running)
         self.planner.on_step(plan)
-        step = _Draft(self.config.max_num_batched_tokens)
+        step = _Draft(self.knobs.token_budget)
+        if self.knobs.held:
+            step.blocked |= self._held_busy()
         # 1. Running requests, in the plan's order (it may bench some for one step).
         self._run(step, plan.running)
         # 2. Waiting requests, in the policy's order, while budget, slots and blocks allow.
@@ -241,7 +256,9 @@ class Scheduler:
         if candidate is None:
             return None
         self.planner.on_urgent_offered(candidate)
-        step = _Draft(self.config.max_num_batched_tokens, urgent=True)
+        if candidate.tenant in self._held_busy():
+            return None
+        step = _Draft(self.knobs.token_budget, urgent=True)
         self._consider(step, candidate, StepPlan((), candidate.tenant))
         return self._output(step) if step.scheduled else None
 
@@ -272,6 +289,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING or request.request_id in step.scheduled:
                 continue  # preempted earlier in this step, or already served
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_new > 1:  # a prefill chunk (a decode row is never cut)
+                num_new = min(num_new, self.knobs.chunk_size)
             while True:
                 extra = kv.num_blocks_to_add(request, num_new)
                 need = self._need_of(request, extra)
@@ -335,11 +354,16 @@ class Scheduler:
         # In a step set aside for it, a prompt of up to twice the budget goes whole, as in an
         # urgent step: it ends with the first token, where a chunk would leave the rest to the
         # next step, behind a full step of other work.
-        room = step.budget + (self.config.max_num_batched_tokens if plan.owns(candidate) else 0)
+        # Otherwise a prefill takes at most a chunk (``knobs.chunk_size``); while the autopilot
+        # has cut the chunk below the budget, a prompt never goes whole beyond it either.
+        knobs = self.knobs
+        limit = min(step.budget, knobs.chunk_size)
+        whole = plan.owns(candidate) and knobs.chunk_size >= knobs.token_budget
+        room = limit + (knobs.token_budget if whole else 0)
         if step.urgent and not 0 < num_new <= room:
             return False  # whole or not at all
         if num_new > room:
-            num_new = step.budget
+            num_new = limit
         extra = kv.num_blocks_to_add(candidate, num_new, hits)
         if step.grew and self._victim(candidate, Need.POOL, extra, admitting=True) is None:
             step.blocked.add(candidate.tenant)
@@ -358,6 +382,8 @@ class Scheduler:
         if need is None and kv.allocate_slots(candidate, num_new, hits):
             self._admit(candidate, num_hit_tokens, step.new_requests, takes_spare)
             step.take(self._sequence(candidate, num_new))
+            if candidate.tenant in self.knobs.held:
+                step.blocked.add(candidate.tenant)  # held: one request running at a time
             return True
         if step.urgent:
             return False  # a normal step preempts or refuses for it, if anything
@@ -426,8 +452,13 @@ class Scheduler:
         step.blocked.add(victim.tenant)
 
     def _slots_full(self) -> bool:
-        """Every one of the ``max_num_seqs`` regular slots is taken."""
-        return len(self.running) - len(self.spare) >= self.config.max_num_seqs
+        """Every regular slot (``knobs.max_running``, ``max_num_seqs`` unless moved) is taken."""
+        return len(self.running) - len(self.spare) >= self.knobs.max_running
+
+    def _held_busy(self) -> set[str]:
+        """Held tenants (``knobs.held``) that have a request running: they admit nothing new."""
+        held = self.knobs.held
+        return {r.tenant for r in self.running if r.tenant in held}
 
     def _need_of(self, request: Request, extra_blocks: int) -> Need | None:
         """What stops ``request`` from holding ``extra_blocks`` more (None: nothing)."""
@@ -453,7 +484,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if spare:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from kvgate.engine.autopilot import AutopilotState
 from kvgate.engine.offload import TierState
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class EngineSnapshot:
     #: The second KV tier's figures (None: no tier), and requests loading from it.
     kv_tier: TierState | None = None
     kv_loading: int = 0
+    #: The SLO autopilot's knobs, targets and last window (``engine/autopilot.py``); None
+    #: while no target is set.
+    autopilot: AutopilotState | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled for the front end when the engine runs in a process of its own: the
@@ -142,6 +146,9 @@ class EngineSnapshot:
             ),
             kv_tier=kv.tier.state() if kv.tier_enabled else None,
             kv_loading=len(sched.loading),
+            autopilot=pilot.state()
+            if (pilot := getattr(engine, "autopilot", None)) and pilot.active
+            else None,
         )
 
 

@@ -96,6 +96,9 @@ class IterationStats:
     generation_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    #: The tenant of each sample above, index for index (the SLO autopilot's groups).
+    ttft_tenants: list[str] = field(default_factory=list)
+    itl_tenants: list[str] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 

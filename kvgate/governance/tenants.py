@@ -25,6 +25,16 @@ TOML (or YAML, by extension)::
     max_vector_stores = 100                    # vector stores it may have
     max_chunks = 1000000                       # chunks (one vector each), all its stores
     max_store_bytes = 268435456                # bytes of one store's chunks and vectors
+    slo = { ttft_p99 = 0.5, itl_p99 = 0.1 }    # this tenant's own SLO (else its class's)
+
+    [slo]                                      # the SLO autopilot (engine/autopilot.py)
+    window = 2.0                               # seconds of traffic each judgement looks at
+    recover_windows = 3                        # calm windows before a knob moves back
+    floor = 0.25                               # no knob below this share of its setting
+    [slo.critical]                             # targets per class, in seconds
+    ttft_p90 = 0.5
+    ttft_p99 = 1.0
+    itl_p99 = 0.2
 
 Without a tenants file the server runs open as one ``default`` tenant with no limits.
 """
@@ -39,6 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvgate.engine.autopilot import METRICS as SLO_METRICS
+from kvgate.engine.autopilot import SloPolicy, SloTarget
 from kvgate.engine.policy import TenantShare
 from kvgate.errors import InvalidConfig
 from kvgate.settings_file import read_table
@@ -102,6 +114,8 @@ class TenantSpec:
     #: Most responses the tenant may keep stored (``/v1/responses`` with ``store``); None:
     #: no limit but the server's retention.
     max_stored_responses: int | None = None
+    #: The tenant's own SLO targets (``[slo.CLASS]`` of its class otherwise); None: its class's.
+    slo: SloTarget | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -168,6 +182,8 @@ def _spec(name: str, raw: Mapping[str, Any], where: str) -> TenantSpec:
             ):
                 raise _bad(f"{bad} must be a non-empty list of served model names")
             value = tuple(value)
+        elif key == "slo":
+            value = _slo_target(value, bad)
         elif key == "prefix_isolation":
             if not isinstance(value, bool):
                 raise _bad(f"{bad} must be true or false")
@@ -212,6 +228,9 @@ class TenantsConfig:
     #: Keys that name no tenant (``--api-keys-file`` lines with a key alone): each is its own
     #: caller for the prefix cache, so two such keys never share cached blocks.
     unnamed_keys: frozenset[bytes] = frozenset()
+    #: The ``[slo]`` table with the tenants' own targets (the engine's autopilot); None: no
+    #: target anywhere, the autopilot is off.
+    slo: SloPolicy | None = None
 
     @property
     def open(self) -> bool:
@@ -278,11 +297,11 @@ class TenantsConfig:
         """Parse and validate a tenants file; every mistake is named with where it is."""
         where = os.fspath(path)
         data = read_table(path, what="tenants file", param="tenants")
-        unknown = set(data) - {"tenants", "admin_keys", "metrics_keys"}
+        unknown = set(data) - {"tenants", "admin_keys", "metrics_keys", "slo"}
         if unknown:
             raise InvalidConfig(
                 f"{where}: unknown top-level setting(s) {sorted(unknown)}; expected 'tenants', "
-                "'admin_keys' and 'metrics_keys'",
+                "'admin_keys', 'metrics_keys' and 'slo'",
                 param="tenants",
             )
         raw_tenants = data.get("tenants")
@@ -329,7 +348,53 @@ class TenantsConfig:
         metrics = frozenset(
             parse_key(k, f"{where}: metrics_keys[{i}]") for i, k in enumerate(raw_metrics)
         )
-        return cls(tenants, keys, admin, where, metrics)
+        slo = _slo_policy(data.get("slo", {}), tenants, f"{where}: slo")
+        return cls(tenants, keys, admin, where, metrics, slo=slo)
+
+
+def _slo_target(raw: object, where: str) -> SloTarget:
+    """``{ttft_p90 = s, ttft_p99 = s, itl_p99 = s}``: any of them, positive seconds."""
+    if not isinstance(raw, dict) or not raw:
+        raise _bad(f"{where} must be a table of targets ({', '.join(SLO_METRICS)}), in seconds")
+    for key, value in raw.items():
+        if key not in SLO_METRICS:
+            raise _bad(f"{where}: unknown target {key!r}; known: {', '.join(SLO_METRICS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise _bad(f"{where}.{key} must be a positive number of seconds, got {value!r}")
+    return SloTarget(**{k: float(v) for k, v in raw.items()})
+
+
+def _slo_policy(raw: object, tenants: Mapping[str, TenantSpec], where: str) -> SloPolicy | None:
+    """The ``[slo]`` table: the autopilot's settings and a table of targets per class; with
+    the tenants' own ``slo``. None when no target is set anywhere (the autopilot is off)."""
+    if not isinstance(raw, dict):
+        raise _bad(f"{where} must be a table")
+    settings: dict[str, Any] = {}
+    classes: dict[int, SloTarget] = {}
+    for key, value in raw.items():
+        if key in PRIORITIES:
+            classes[PRIORITIES[key]] = _slo_target(value, f"{where}.{key}")
+        elif key in ("window", "floor"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise _bad(f"{where}.{key} must be a positive number, got {value!r}")
+            if key == "floor" and value > 1:
+                raise _bad(f"{where}.floor must be at most 1 (a share of each setting)")
+            settings["window_seconds" if key == "window" else key] = float(value)
+        elif key == "recover_windows":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(f"{where}.recover_windows must be a positive integer, got {value!r}")
+            settings[key] = value
+        else:
+            known = ", ".join(["window", "recover_windows", "floor", *PRIORITIES])
+            raise _bad(f"{where}: unknown setting {key!r}; known: {known}")
+    own = {name: spec.slo for name, spec in tenants.items() if spec.slo is not None}
+    policy = SloPolicy(
+        classes=classes,
+        tenants=own,
+        class_names={rank: name for name, rank in PRIORITIES.items()},
+        **settings,
+    )
+    return policy if policy.active else None
 
 
 def _bearer_digest(authorization: str | None) -> bytes | None:

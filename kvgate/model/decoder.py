@@ -10,18 +10,20 @@ dim, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
-from kvgate.errors import CorruptWeights
+from kvgate.errors import CorruptWeights, InvalidConfig
 from kvgate.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvgate.model.config import ModelConfig
 from kvgate.model.cpu_kernels import CpuKernels
 from kvgate.model.kv_spec import KVSpec
 from kvgate.model.linear import Linear, LinearFactory, Weight
+from kvgate.model.lora import PARAM as LORA_PARAM
+from kvgate.model.lora import LoraRows
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps
 from kvgate.model.row_roles import RowRoles
@@ -98,6 +100,8 @@ class DecoderModel(Generic[Layer]):
     #: The per-op paths ``build_info`` reports; a subclass sets them where they differ.
     ops: LayerOps | None = None
     native_decode: NativeDecode | None = None
+    #: Whether its ``stepwise`` takes ``lora`` (per-request LoRA adapters, ``lora.py``).
+    supports_lora: bool = False
 
     @staticmethod
     def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
@@ -194,10 +198,32 @@ class DecoderModel(Generic[Layer]):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         roles: RowRoles | None = None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:  # [T, H]
         """One step over the flat batch, all layers at once; returns final-normed hidden
-        states. ``meta``: the step's attention description, or one per layer."""
-        return drive(self.stepwise(input_ids, positions, kv_caches, meta, False, roles))
+        states. ``meta``: the step's attention description, or one per layer; ``lora``: the
+        rows' LoRA adapters (refused where the class has no ``supports_lora``)."""
+        if self.check_lora(lora, input_ids.shape[0]) is None:
+            return drive(self.stepwise(input_ids, positions, kv_caches, meta, False, roles))
+        # Only a class that supports LoRA gets here, and its stepwise takes ``lora``.
+        stepwise: Callable[..., Generator[None, None, torch.Tensor]] = self.stepwise
+        return drive(stepwise(input_ids, positions, kv_caches, meta, False, roles, lora=lora))
+
+    def check_lora(self, lora: LoraRows | None, num_rows: int) -> LoraRows | None:
+        """``lora`` where it gives any row an adapter, else None; ``InvalidConfig`` where
+        this model class cannot apply adapters (the server checks ``supports_lora`` at
+        load)."""
+        if lora is None or not lora.groups:
+            return None
+        if not self.supports_lora:
+            raise InvalidConfig(
+                f"{type(self).__name__} ({self.config.architecture}) does not support LoRA "
+                "adapters",
+                param=LORA_PARAM,
+            )
+        if lora.num_rows != num_rows:
+            raise ValueError(f"LoRA rows for {lora.num_rows} tokens in a step of {num_rows}")
+        return lora
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

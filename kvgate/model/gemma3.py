@@ -32,6 +32,7 @@ from kvgate.model.decoder import (
 )
 from kvgate.model.hf_loader import is_number, positive_int, read_rope
 from kvgate.model.linear import Linear, Weight
+from kvgate.model.lora import LoraRows, add_lora
 from kvgate.model.rope import RotaryEmbedding, apply_rotary
 from kvgate.model.row_roles import RowRoles, apply
 
@@ -51,6 +52,8 @@ class Gemma3Layer:
 
 
 class Gemma3Model(DecoderModel[Gemma3Layer]):
+    supports_lora = True
+
     def _setup(self, kernels: CpuKernels | None) -> None:
         """The fused element-wise kernels and the native decode layers are Llama's (SiLU,
         norms scaling in the model dtype): Gemma 3 runs its element-wise ops in PyTorch."""
@@ -109,9 +112,11 @@ class Gemma3Model(DecoderModel[Gemma3Layer]):
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         pause: bool,
         roles: RowRoles | None = None,
+        lora: LoraRows | None = None,
     ) -> Generator[None, None, torch.Tensor]:  # [T, H]
         """As ``LlamaModel.stepwise``; a sliding layer's ``meta`` names only the blocks its
         window reaches."""
+        lora = self.check_lora(lora, input_ids.shape[0])
         metas = per_layer(meta, len(self.layers))
         t, hq, hkv, d = input_ids.shape[0], *self._heads()
         tables = (self.rope.tables(positions), self.rope_local.tables(positions))
@@ -121,17 +126,22 @@ class Gemma3Model(DecoderModel[Gemma3Layer]):
                 yield
             window = self.windows[i]
             cos, sin = tables[window is not None]  # sliding layers: the local RoPE
-            qkv = apply(roles, layer.qkv, self._rms(x, layer.input_norm))
+            h = self._rms(x, layer.input_norm)
+            qkv = add_lora(lora, i, "qkv", h, apply(roles, layer.qkv, h))
             q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
             q = apply_rotary(self._rms(q.reshape(t, hq, d), layer.q_norm), cos, sin)
             k = apply_rotary(self._rms(k.reshape(t, hkv, d), layer.k_norm), cos, sin)
             v = v.reshape(t, hkv, d)
             self.attention.write_kv(k, v, k_cache, v_cache, metas[i])
             attn = self.attention.attend(q, k, v, k_cache, v_cache, metas[i], window)
-            x = x + self._rms(apply(roles, layer.o, attn.reshape(t, hq * d)), layer.post_norm)
-            gate_up = apply(roles, layer.gate_up, self._rms(x, layer.pre_ffn_norm))
+            attn = attn.reshape(t, hq * d)
+            o = add_lora(lora, i, "o", attn, apply(roles, layer.o, attn))
+            x = x + self._rms(o, layer.post_norm)
+            h = self._rms(x, layer.pre_ffn_norm)
+            gate_up = add_lora(lora, i, "gate_up", h, apply(roles, layer.gate_up, h))
             gate, up = gate_up.chunk(2, dim=-1)
-            mlp = apply(roles, layer.down, F.gelu(gate, approximate="tanh") * up)
+            act = F.gelu(gate, approximate="tanh") * up
+            mlp = add_lora(lora, i, "down", act, apply(roles, layer.down, act))
             x = x + self._rms(mlp, layer.post_ffn_norm)
         return self._rms(x, self.final_norm)
 

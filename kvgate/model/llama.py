@@ -29,6 +29,7 @@ from kvgate.model.decoder import (
 )
 from kvgate.model.kv_codec import KVCodec, key_offset
 from kvgate.model.linear import Linear, Weight
+from kvgate.model.lora import LoraRows, add_lora
 from kvgate.model.native_decode import NativeDecode
 from kvgate.model.ops import FusedCpuLayerOps, LayerOps, TorchLayerOps
 from kvgate.model.rope import RotaryEmbedding, inverse_frequencies
@@ -51,6 +52,7 @@ class LayerWeights:
 
 class LlamaModel(DecoderModel[LayerWeights]):
     ops: LayerOps
+    supports_lora = True
 
     def _setup(self, kernels: CpuKernels | None) -> None:
         c = self.config
@@ -132,20 +134,24 @@ class LlamaModel(DecoderModel[LayerWeights]):
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         pause: bool,
         roles: RowRoles | None = None,
+        lora: LoraRows | None = None,
     ) -> Generator[None, None, torch.Tensor]:
         """The same step as a generator that, with ``pause``, stops after every layer but the
         last: whoever drives it (the engine's step) may run a whole other step there (an
         urgent prefill, for other sequences) before resuming this one. Its value is the
         final-normed hidden states [T, H]. The model never calls back into the engine.
-        ``roles``: the step's prompt rows, where ``prompt_tiles`` (None: no prompt row)."""
+        ``roles``: the step's prompt rows, where ``prompt_tiles`` (None: no prompt row);
+        ``lora``: the rows' LoRA adapters, their deltas added after each linear (such a
+        step runs per op: the native decode layers cannot apply them)."""
+        lora = self.check_lora(lora, input_ids.shape[0])
         metas = per_layer(meta, len(self.layers))
         meta = metas[0]  # every layer's: Llama-family layers attend to the whole context
         eps = self.config.rms_norm_eps
         ops = self.ops
         residual = self.embed(input_ids)  # [T, H]; updated in place below
         h = ops.add_norm(None, residual, self.layers[0].input_norm, eps)
-        native = self.native_decode
-        if native is not None and roles is None and native.applies(kv_caches, meta):
+        native = self.native_decode if roles is None and lora is None else None
+        if native is not None and native.applies(kv_caches, meta):
             # Decodes only: whole layers per native call, the same kernels in the same order.
             step = native.start(positions, residual, h, meta)
             if not pause:
@@ -159,14 +165,16 @@ class LlamaModel(DecoderModel[LayerWeights]):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i and pause:
                 yield
-            qkv = apply(roles, layer.qkv, h)
+            qkv = add_lora(lora, i, "qkv", h, apply(roles, layer.qkv, h))
             if layer.q_norm is not None and layer.k_norm is not None:
                 self._norm_heads(qkv, layer.q_norm, layer.k_norm)
             q, k, v = ops.rope_write_kv(qkv, positions, k_cache, v_cache, meta, layer.key_offset)
             attn = self.attention.attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
-            o = apply(roles, layer.o, attn.reshape(-1, self.q_size))
+            attn = attn.reshape(-1, self.q_size)
+            o = add_lora(lora, i, "o", attn, apply(roles, layer.o, attn))
             h = ops.add_norm(o, residual, layer.post_norm, eps)
-            mlp = apply(roles, layer.down, ops.silu_mul(apply(roles, layer.gate_up, h)))
+            act = ops.silu_mul(add_lora(lora, i, "gate_up", h, apply(roles, layer.gate_up, h)))
+            mlp = add_lora(lora, i, "down", act, apply(roles, layer.down, act))
             # The next layer's input norm (or the final norm) shares this residual add.
             next_norm = (
                 self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

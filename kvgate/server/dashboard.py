@@ -2,8 +2,9 @@
 
 One self-contained HTML page (no external assets: it works on an air-gapped host) that polls
 ``/dashboard/data`` every second (``?refresh=MS`` to change): running and waiting requests,
-the KV pool by state and by tenant, recent latencies, and a KV-usage sparkline kept in the
-browser. Like /metrics it exposes only aggregates, no request content.
+the KV pool by state and by tenant, recent latencies, the SLO autopilot's knobs and targets,
+and a KV-usage sparkline kept in the browser. Like /metrics it exposes only aggregates, no
+request content.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
+from kvgate.engine.autopilot import AutopilotState
 from kvgate.engine.stats import IterationStats
 
 
@@ -112,8 +114,41 @@ def install_dashboard(app: FastAPI, recent: RecentLatencies) -> None:
                 for name, row in state.governance.report(snaps).items()
             ],
             latency=recent.summary(),
+            slo={
+                name: _slo_view(s.autopilot, observer, time.monotonic())
+                for name, s in snaps.items()
+                if s.autopilot is not None
+            },
         )
         return out
+
+
+def _slo_view(state: AutopilotState, observer: bool, now: float) -> dict[str, Any]:
+    """One model's autopilot for the page; tenants' names (their own SLO groups, those held)
+    only for an observer, as everywhere on it."""
+    knobs, configured = state.knobs, state.configured
+    groups = {
+        group: {metric: {"target": t, "observed": o} for metric, (t, o) in row.items()}
+        for group, row in state.groups.items()
+        if observer or not group.startswith("tenant:")
+    }
+    return {
+        "knobs": {
+            k: [getattr(knobs, k), getattr(configured, k)]
+            for k in ("token_budget", "chunk_size", "max_running")
+        },
+        "held": sorted(knobs.held) if observer else len(knobs.held),
+        "groups": groups,
+        "windows": state.windows,
+        "recent": [
+            {
+                "ago_s": round(now - a.at, 1),
+                "direction": a.direction,
+                "reason": a.reason if observer or "tenant:" not in a.reason else "(a tenant's SLO)",
+            }
+            for a in state.history[-5:]
+        ],
+    }
 
 
 PAGE = """<!doctype html>
@@ -145,6 +180,8 @@ PAGE = """<!doctype html>
   <tr><td>Inter-token p50 / p99</td><td id="itl">-</td></tr>
   <tr><td>End-to-end p50</td><td id="e2e">-</td></tr>
   <tr><td>Generated tokens/s</td><td id="toks">-</td></tr></table></div>
+ <div class="card" style="grid-column:1/-1" id="slo-card" hidden><h2>SLO autopilot</h2>
+  <div id="slo"></div></div>
  <div class="card" style="grid-column:1/-1"><h2>KV pool by tenant</h2>
   <table><thead><tr><th>tenant</th><th>priority</th><th>blocks held / ceiling</th><th></th>
   <th>running</th><th>waiting</th></tr></thead><tbody id="tenants"></tbody></table></div>
@@ -167,6 +204,35 @@ function row(t) {
   }
   tr.dataset.tenant = t.name;
   return tr;
+}
+function cell(tr, text, tag) {
+  const c = document.createElement(tag || "td"); c.textContent = text; tr.appendChild(c);
+}
+function sloBlock(name, s) {
+  // One model: its knobs (now / configured), each group's targets against the last window,
+  // and the latest moves.
+  const div = document.createElement("div");
+  const knobs = Object.entries(s.knobs).map(([k, v]) => k + " " + v[0] + " / " + v[1]);
+  const held = Array.isArray(s.held) ? s.held.join(", ") || "none" : s.held;
+  const head = document.createElement("div"); head.className = "muted";
+  head.textContent = name + ": " + knobs.join(", ") + "; held: " + held;
+  const table = document.createElement("table");
+  const top = document.createElement("tr");
+  for (const h of ["group", "metric", "target", "last window"]) cell(top, h, "th");
+  table.appendChild(top);
+  for (const [group, metrics] of Object.entries(s.groups)) {
+    for (const [metric, v] of Object.entries(metrics)) {
+      const tr = document.createElement("tr");
+      cell(tr, group); cell(tr, metric); cell(tr, ms(v.target)); cell(tr, ms(v.observed));
+      if (v.observed != null && v.observed > v.target) tr.style.color = "#c0392b";
+      tr.dataset.group = group; table.appendChild(tr);
+    }
+  }
+  const moves = document.createElement("div"); moves.className = "muted";
+  moves.textContent = s.recent.map(a => a.direction + " " + a.ago_s + " s ago: " + a.reason)
+    .join(" | ") || "no adjustment yet";
+  div.append(head, table, moves);
+  return div;
 }
 async function refresh() {
   try {
@@ -194,6 +260,9 @@ async function refresh() {
     setText("toks", l.generation_tok_s.toFixed(1));
     const body = document.getElementById("tenants");
     body.replaceChildren(...d.tenants.map(row));
+    const slo = Object.entries(d.slo || {});
+    document.getElementById("slo-card").hidden = !slo.length;
+    document.getElementById("slo").replaceChildren(...slo.map(([name, s]) => sloBlock(name, s)));
     document.body.dataset.updated = String(Date.now());
   } catch (e) {
     setText("status", "unreachable"); document.getElementById("status").className = "down";

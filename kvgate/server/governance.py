@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.policy import TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.snapshot import EngineSnapshot, TenantSnapshot
@@ -30,7 +31,7 @@ from kvgate.governance.admission import RateBuckets, TenantGate, TenantRates, Ti
 from kvgate.governance.tenants import TenantsConfig, TenantSpec
 
 #: Hands a model's fair policy the tenants' shares (on the engine's side, between steps).
-ShareUpdate = Callable[[Mapping[str, TenantShare], TenantShare], None]
+ShareUpdate = Callable[[Mapping[str, TenantShare], TenantShare, SloPolicy | None], None]
 
 log = logging.getLogger("kvgate.server")
 
@@ -218,7 +219,7 @@ class Governance:
 
     def _push_shares(self, pool: _Pool, tenants: TenantsConfig) -> None:
         if pool.update_shares is not None:
-            pool.update_shares(tenants.shares(pool.num_blocks), TenantShare())
+            pool.update_shares(tenants.shares(pool.num_blocks), TenantShare(), tenants.slo)
 
 
 #: Per-model figures that add up over models in a tenant's row.

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgate.engine.autopilot import AutopilotState
 from kvgate.engine.snapshot import EngineSnapshot
 from kvgate.engine.stats import IterationStats
 from kvgate.governance.tenants import PRIORITIES
@@ -164,6 +165,8 @@ class EngineCollector(Collector):
             )
             if snap.kv_tier is not None:
                 _tier_metrics(snap, gauge, counter)
+            if snap.autopilot is not None:
+                _slo_metrics(snap.autopilot, m, add)
             for reason, n in snap.preemptions_by_reason.items():
                 families["kvgate:preemptions"].add_metric([*m, reason], n)
             for state, n in (
@@ -179,6 +182,75 @@ class EngineCollector(Collector):
                     ("state",),
                 )
         yield from families.values()
+
+
+def _slo_metrics(
+    state: AutopilotState,
+    m: list[str],
+    add: Callable[..., None],
+) -> None:
+    """The SLO autopilot's figures (``engine/autopilot.py``): targets and the last window's
+    observations per SLO group, each knob now and as configured, breaches and adjustments."""
+    for group, row in state.groups.items():
+        for metric, (target, observed) in row.items():
+            labels = [*m, group, metric]
+            add(
+                GaugeMetricFamily,
+                "kvgate:slo_target_seconds",
+                "SLO target per group (a class, or tenant:NAME) and metric (ttft_p90, "
+                "ttft_p99, itl_p99).",
+                labels,
+                target,
+                ("slo_group", "metric"),
+            )
+            if observed is not None:
+                add(
+                    GaugeMetricFamily,
+                    "kvgate:slo_observed_seconds",
+                    "The metric's value in the autopilot's last window (absent: no sample).",
+                    labels,
+                    observed,
+                    ("slo_group", "metric"),
+                )
+    for (group, metric), n in state.breaches.items():
+        add(
+            CounterMetricFamily,
+            "kvgate:slo_breaches",
+            "Windows in which a group's metric was over its target.",
+            [*m, group, metric],
+            n,
+            ("slo_group", "metric"),
+        )
+    for knob in ("token_budget", "chunk_size", "max_running"):
+        for which, knobs in (("current", state.knobs), ("configured", state.configured)):
+            add(
+                GaugeMetricFamily,
+                "kvgate:slo_knob",
+                "The scheduler's knobs: the per-step token budget, the prefill chunk, the "
+                "running sequences' cap; as the autopilot set them and as configured.",
+                [*m, knob, which],
+                getattr(knobs, knob),
+                ("knob", "value"),
+            )
+    add(
+        GaugeMetricFamily,
+        "kvgate:slo_held_tenants",
+        "Tenants whose new requests the autopilot holds for a higher class's SLO.",
+        m,
+        len(state.knobs.held),
+    )
+    for (knob, direction), n in state.adjustments.items():
+        add(
+            CounterMetricFamily,
+            "kvgate:slo_adjustments",
+            "Times the autopilot moved a knob (admission: the held classes), by direction.",
+            [*m, knob, direction],
+            n,
+            ("knob", "direction"),
+        )
+    add(
+        CounterMetricFamily, "kvgate:slo_windows", "Windows the autopilot judged.", m, state.windows
+    )
 
 
 def _tier_metrics(

@@ -21,15 +21,23 @@ def _state(request: Request) -> ServerState:
 
 
 class Aggregates:
-    """A registry's metric families without the per-tenant ones (``kvgate:tenant_*``)."""
+    """A registry's metric families without the per-tenant ones (``kvgate:tenant_*``, and
+    the SLO series of a tenant's own targets, ``slo_group="tenant:NAME"``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
     def collect(self) -> Iterator[Metric]:
         for family in self.registry.collect():
-            if not family.name.startswith("kvgate:tenant_"):
-                yield family
+            if family.name.startswith("kvgate:tenant_"):
+                continue
+            if family.name.startswith("kvgate:slo_"):
+                family.samples = [
+                    s
+                    for s in family.samples
+                    if not s.labels.get("slo_group", "").startswith("tenant:")
+                ]
+            yield family
 
 
 def install_probe_routes(app: FastAPI) -> None:

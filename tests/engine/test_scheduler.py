@@ -5,8 +5,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.engine.request import RequestStatus
+from kvgate.engine.autopilot import Knobs
+from kvgate.engine.policy import TenantFairPolicy, TenantShare
+from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.scheduler import Scheduler
+from kvgate.sampling_params import SamplingParams
 from tests.engine.fakes import (
     FakeRunner,
     assert_pool_whole,
@@ -233,3 +236,43 @@ def test_prefix_counters_count_each_admission_once() -> None:
     run_to_completion(sched, runner)
     assert sched.kv_cache.prefix_queries == 24 + 12 + 12
     assert sched.kv_cache.prefix_hits == 8  # b2 reused b's first two blocks
+
+
+# ---------------------------------------------------------------- knobs (the SLO autopilot's)
+def test_knobs_cap_the_budget_the_prefill_chunk_and_the_running_sequences() -> None:
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    assert sched.knobs == Knobs(64, 64, 8)
+    sched.knobs = Knobs(token_budget=40, chunk_size=16, max_running=2)
+    runner = FakeRunner()
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", list(range(1, 51)), max_tokens=3))
+    out = sched.schedule()
+    # Two sequences at most, each prompt in chunks of 16, within the 40-token budget.
+    assert [s.num_tokens for s in out.sequences] == [16, 16]
+    sched.update(out, runner.execute(out))
+    while sched.num_unfinished:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 40 and len(out.sequences) <= 2
+        assert all(s.num_tokens <= 16 for s in out.sequences)
+        sched.update(out, runner.execute(out))
+    assert_pool_whole(sched)
+
+
+def test_a_held_tenant_runs_one_request_at_a_time_and_keeps_progressing() -> None:
+    shares = {"chat": TenantShare(priority=0), "bulk": TenantShare(priority=2)}
+    policy = TenantFairPolicy(shares, TenantShare())
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
+    sched.knobs = Knobs(64, 64, 8, held=frozenset({"bulk"}))
+    runner = FakeRunner()
+    for i in range(3):
+        sched.add_request(Request(f"b{i}", [1, 2, 3], SamplingParams(max_tokens=4), tenant="bulk"))
+        sched.add_request(Request(f"c{i}", [4, 5, 6], SamplingParams(max_tokens=4), tenant="chat"))
+    finished_bulk = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        running_bulk = [r for r in sched.running if r.tenant == "bulk"]
+        assert len(running_bulk) <= 1  # held: one at a time
+        sched.update(out, runner.execute(out))
+        finished_bulk = sum(1 for i in range(3) if f"b{i}" not in sched.requests)
+    assert finished_bulk == 3  # every held request ran in the end
+    assert_pool_whole(sched)

@@ -148,6 +148,7 @@ def test_drafts_take_only_the_budget_every_decode_left() -> None:
     out = sched.schedule()
     sched.update(out, _answer(out))
     sched.config = SchedulerConfig(8, 10, 512)  # room for every decode and 2 draft tokens
+    sched.knobs = sched.configured_knobs
     for _ in range(4):
         out = sched.schedule()
         assert sorted(s.request_id for s in out.sequences) == [f"r{i}" for i in range(8)]

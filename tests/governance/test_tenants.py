@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.engine.autopilot import SloTarget
 from kvgate.errors import InvalidConfig
 from kvgate.governance.tenants import TenantsConfig
 
@@ -99,8 +100,42 @@ def test_yaml_works_too(tmp_path: Path) -> None:
         ("[tenants.a\n", "is not valid"),
         ("[tenants.a]\nkeys = ['k']\nmodels = 'smollm2'\n", "a non-empty list of served model"),
         ("[tenants.a]\nkeys = ['k']\nmodels = []\n", "a non-empty list of served model"),
+        ("[tenants.a]\nkeys = ['k']\nslo = {ttft_p95 = 1}\n", "unknown target 'ttft_p95'"),
+        ("[tenants.a]\nkeys = ['k']\nslo = {itl_p99 = 0}\n", "positive number of seconds"),
+        ("[tenants.a]\nkeys = ['k']\nslo = 0.5\n", "must be a table of targets"),
+        ("[tenants.a]\nkeys = ['k']\n[slo.urgent]\nitl_p99 = 1\n", "unknown setting 'urgent'"),
+        ("[tenants.a]\nkeys = ['k']\n[slo]\nfloor = 2\n", "floor must be at most 1"),
+        ("[tenants.a]\nkeys = ['k']\n[slo]\nwindow = -1\n", "window must be a positive"),
+        ("[tenants.a]\nkeys = ['k']\n[slo]\nrecover_windows = 0\n", "recover_windows"),
+        ("[tenants.a]\nkeys = ['k']\n[slo.critical]\nitl_p99 = 'fast'\n", "itl_p99 must be"),
     ],
 )
 def test_mistakes_are_named(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(InvalidConfig, match=message):
         TenantsConfig.load(write(tmp_path, text))
+
+
+def test_slo_targets_per_class_and_per_tenant(tmp_path: Path) -> None:
+    config = TenantsConfig.load(
+        write(
+            tmp_path,
+            "[slo]\nwindow = 1.5\nrecover_windows = 4\n"
+            "[slo.critical]\nttft_p99 = 1\nitl_p99 = 0.2\n[slo.batch]\nttft_p90 = 60\n"
+            "[tenants.chat]\nkeys = ['k1']\npriority = 'critical'\n"
+            "[tenants.search]\nkeys = ['k2']\nslo = {ttft_p90 = 0.4}\n",
+        )
+    )
+    slo = config.slo
+    assert slo is not None and slo.active
+    assert (slo.window_seconds, slo.recover_windows, slo.floor) == (1.5, 4, 0.25)
+    assert slo.classes[0] == SloTarget(ttft_p99=1.0, itl_p99=0.2)
+    assert slo.classes[2] == SloTarget(ttft_p90=60.0)
+    assert config.spec("search").slo == SloTarget(ttft_p90=0.4)
+    assert slo.group_of("search", 1) == ("tenant:search", SloTarget(ttft_p90=0.4))
+    assert slo.group_of("chat", 0) == ("critical", SloTarget(ttft_p99=1.0, itl_p99=0.2))
+    assert slo.group_of("other", 1) is None  # standard has no target
+
+
+def test_no_target_means_no_autopilot(tmp_path: Path) -> None:
+    text = "[slo]\nwindow = 1\n[tenants.a]\nkeys = ['k']\n"
+    assert TenantsConfig.load(write(tmp_path, text)).slo is None

@@ -312,3 +312,53 @@ def test_reload_keeps_running_requests_and_refuses_a_bad_file(
         assert denied.status_code == 403
     finally:
         live.stop()
+
+
+def test_slo_targets_reach_the_engine_metrics_and_dashboard_and_go_with_a_reload(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "tenants.toml"
+    with_slo = (
+        'admin_keys = ["sk-admin"]\n[slo]\nwindow = 0.2\n[slo.critical]\nitl_p99 = 5.0\n'
+        '[tenants.a]\nkeys = ["sk-a"]\npriority = "critical"\n'
+        '[tenants.b]\nkeys = ["sk-b"]\nslo = {ttft_p99 = 30.0}\n'
+    )
+    path.write_text(with_slo)
+    live = start_server(
+        tiny_engine_config(tiny_llama_dir),
+        ServerConfig(served_model_name="tiny", tenants_file=str(path)),
+    )
+    admin = {"Authorization": "Bearer sk-admin"}
+    try:
+        for key in ("sk-a", "sk-b"):
+            client(live, key).completions.create(model="tiny", prompt="hello", max_tokens=4)
+        deadline = time.monotonic() + 30
+        while True:  # the engine judges a window at its next step or its idle wake-up
+            values = scrape_metrics(live, "sk-admin")
+            if metric(values, "kvgate:slo_windows_total") >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert metric(values, "kvgate:slo_windows_total") >= 1
+        targets = {k: v for k, v in values.items() if k.startswith("kvgate:slo_target_seconds")}
+        assert any('slo_group="critical"' in k and 'metric="itl_p99"' in k for k in targets)
+        assert any('slo_group="tenant:b"' in k and v == 30.0 for k, v in targets.items())
+        knob = 'kvgate:slo_knob{knob="token_budget",model_name="tiny",value="configured"}'
+        assert values[knob] == 256
+        data = httpx.get(f"{live.base_url}/dashboard/data", headers=admin).json()
+        assert set(data["slo"]["tiny"]["groups"]) == {"critical", "tenant:b"}
+        hidden = httpx.get(
+            f"{live.base_url}/dashboard/data", headers={"Authorization": "Bearer sk-a"}
+        ).json()
+        assert set(hidden["slo"]["tiny"]["groups"]) == {"critical"}  # no tenant's name
+        anonymous = scrape_metrics(live, "sk-a")  # a tenant's key: the aggregates
+        assert any(k.startswith("kvgate:slo_target_seconds") for k in anonymous)
+        assert not [k for k in anonymous if "tenant:b" in k]
+        path.write_text('admin_keys = ["sk-admin"]\n[tenants.a]\nkeys = ["sk-a"]\n')
+        assert httpx.post(f"{live.base_url}/admin/reload", headers=admin).status_code == 200
+        client(live, "sk-a").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        deadline = time.monotonic() + 30
+        while metric(scrape_metrics(live, "sk-admin"), "kvgate:slo_windows_total"):
+            assert time.monotonic() < deadline, "the autopilot outlived its targets"
+            time.sleep(0.1)
+    finally:
+        live.stop()
