@@ -467,6 +467,14 @@ class LLMEngine:
         self.add(request)
         return request
 
+    def lora_op(self, name: str, path: str | None) -> None:
+        """Register LoRA adapter ``name`` from directory ``path`` (loaded and checked now),
+        or with ``path`` None forget it (``LoraCache``); requests using it keep it."""
+        if path is None:
+            self.loras.unregister(name)
+        else:
+            self.loras.register(name, path)
+
     def _loras_in_use(self) -> set[str]:
         """Names of the LoRA adapters requests in the scheduler use (never evicted)."""
         return {name for r in self.scheduler.requests.values() if (name := r.params.lora_name)}
