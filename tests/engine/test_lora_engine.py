@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.lora_cache import LoraExists, LoraMemoryFull, LoraNotFound
+from kvgate.engine.lora_cache import LoraCache, LoraExists, LoraMemoryFull, LoraNotFound
 from kvgate.errors import InvalidConfig
+from kvgate.launch.settings import lora_modules
 from kvgate.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_config
 from tests.hf_reference import hf_greedy
@@ -209,3 +210,19 @@ def test_what_is_refused(setup: dict[str, Any], tiny_llama_dir: Path, tmp_path: 
     engine.loras.unregister("gone")
     assert not engine.has_unfinished()
     _assert_blocks_back(engine)
+
+
+def test_a_model_class_without_lora_refuses_adapters(setup: dict[str, Any]) -> None:
+    engine = setup["engine"]
+    cache = LoraCache(engine.model_config, 1 << 30, set, supported=False, model_name="Gemma3n")
+    with pytest.raises(InvalidConfig, match=r"Gemma3n .* does not support LoRA"):
+        cache.register("a", setup["root"] / "a")
+
+
+def test_lora_modules_flag() -> None:
+    assert lora_modules(["x=/p/x", "y=/p/y=2"]) == (("x", "/p/x"), ("y", "/p/y=2"))
+    assert lora_modules(None) == ()
+    with pytest.raises(InvalidConfig, match="NAME=PATH, got '/p/x'"):
+        lora_modules(["/p/x"])
+    with pytest.raises(InvalidConfig, match="distinct"):
+        tiny_engine_config(Path("."), lora_modules=(("x", "/a"), ("x", "/b")))
