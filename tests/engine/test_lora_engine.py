@@ -226,3 +226,51 @@ def test_lora_modules_flag() -> None:
         lora_modules(["/p/x"])
     with pytest.raises(InvalidConfig, match="distinct"):
         tiny_engine_config(Path("."), lora_modules=(("x", "/a"), ("x", "/b")))
+
+
+def test_speculative_drafts_take_the_adapter_on_every_row(
+    setup: dict[str, Any], tiny_llama_dir: Path
+) -> None:
+    root = setup["root"]
+    engine = LLMEngine(
+        tiny_engine_config(
+            tiny_llama_dir, speculative="ngram", lora_modules=(("a", str(root / "a")),)
+        )
+    )
+    prompt = _prompt(10, 6)
+    refs = {"a": _reference(setup, "a", prompt), None: _reference(setup, None, prompt)}
+    drafter = engine.drafter
+    assert drafter is not None
+
+    def propose(request: Any, room: int) -> list[int]:
+        """Drafts of the true continuation (the adapter's, or the base's), the last wrong:
+        accepted only where the draft rows ran with the request's adapter."""
+        ref = refs[request.params.lora_name]
+        draft = ref[request.num_output_tokens : request.num_output_tokens + 3][:room]
+        return [*draft[:-1], (draft[-1] + 1) % 49152] if draft else []
+
+    drafter.propose = propose  # type: ignore[method-assign]
+    drafter.worth = lambda _rid, n, _rows, _tokens: n  # type: ignore[method-assign]
+    build, seen = engine.runner.build_batch, []
+
+    def recording(sequences: Any) -> Any:
+        batch = build(sequences)
+        seen.append(bool(batch.drafts) and batch.lora is not None)
+        return batch
+
+    engine.runner.build_batch = recording  # type: ignore[method-assign]
+    for name in ("a", None):
+        engine.add_request(
+            str(name), prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                              lora_name=name)
+        )  # fmt: skip
+    tokens: dict[str, list[int]] = {"a": [], "None": []}
+    most = 0  # most tokens one step gave a request: >1 where drafts were accepted
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            most = max(most, len(out.new_token_ids))
+    assert any(seen) and most > 1  # drafts verified with the adapter's rows, and accepted
+    assert tokens["a"] == refs["a"]
+    assert tokens["None"] == refs[None]
+    _assert_blocks_back(engine)
