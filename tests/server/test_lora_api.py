@@ -104,7 +104,7 @@ def test_an_adapter_from_the_start_is_listed_and_served(
     r = _complete(live, "a", ONE)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == text
-    assert r.json()["model"] in ("a", MODEL)
+    assert r.json()["model"] == "a"  # the adapter's name, as vLLM answers
     assert _complete(live, MODEL, ONE).json()["choices"][0]["text"] != text
 
 
