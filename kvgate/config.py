@@ -177,6 +177,12 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    #: LoRA adapters registered at start, (name, PEFT adapter directory) each; more may be
+    #: loaded while serving (``engine/lora_cache.py``). A request selects one by name.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    #: Bytes of resident LoRA adapters (float32 factors), least recently used out first
+    #: (never one a request in the engine uses): ``"256MiB"``, ``"1GiB"``.
+    max_lora_memory: str = "256MiB"
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:
@@ -246,4 +252,18 @@ class EngineConfig:
             )
         # Parse once now so a bad value fails at construction, not at engine start.
         parse_memory(self.kv_cache_memory, 1 << 30)
+        if not isinstance(self.max_lora_memory, str) or parse_memory(self.max_lora_memory, 1) <= 1:
+            raise InvalidConfig(
+                f"max_lora_memory must be a size such as 256MiB, got {self.max_lora_memory!r}",
+                param="max_lora_memory",
+            )
+        object.__setattr__(
+            self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules)
+        )
+        names = [n for n, _ in self.lora_modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise InvalidConfig(
+                f"lora_modules names must be distinct and non-empty, got {names}",
+                param="lora_modules",
+            )
         self.speculative_config()

@@ -58,6 +58,9 @@ class SamplingParams:
     #: server (on where it was started with ``--speculative``), False opts out, True asks
     #: for it (refused where the server has none).
     speculative: bool | None = None
+    #: The LoRA adapter to run the request with, by its registered name
+    #: (``engine/lora_cache.py``); None: the base model alone.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list for stop, as the OpenAI API does.

@@ -12,11 +12,13 @@ process of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 
 from kvgate.config import EngineConfig
 from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.loop import Abort, Add, Call, EngineLoop, Shares
+from kvgate.engine.lora_ops import LoraOps
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy, TenantShare
 from kvgate.engine.request import Request
@@ -40,6 +42,7 @@ class AsyncLLM(StreamingFront):
         super().__init__(max_queue_len)
         self.engine: LLMEngine = engine
         self.on_dead: Callable[[BaseException], None] | None = None
+        self._loras = LoraOps()
         self._loop = EngineLoop(engine, self)
         self._loop.start()
 
@@ -77,6 +80,13 @@ class AsyncLLM(StreamingFront):
         """Run ``fn`` on the engine thread between two steps."""
         self._loop.put(Call(fn))
 
+    def lora(self, name: str, path: str | None) -> Future[None]:
+        """Load LoRA adapter ``name`` from ``path`` (None: unload it) between two steps;
+        the future fails with the engine's error (``LoraCache``)."""
+        op, future = self._loras.start(name, path)
+        self._loop.put(op)
+        return future
+
     def update_shares(
         self, shares: Mapping[str, TenantShare], default: TenantShare, slo: SloPolicy | None = None
     ) -> None:
@@ -107,7 +117,11 @@ class AsyncLLM(StreamingFront):
     def published(self) -> None:
         pass  # ``snapshot()`` reads the engine's own reference
 
+    def lora_done(self, token: int, error: BaseException | None) -> None:
+        self._loras.done(token, error)
+
     def dead(self, exc: BaseException, *, shutdown: bool = False) -> None:
+        self._loras.fail_all(exc)
         self._streams.fail_all(exc)
         if self.on_dead is not None and not shutdown:
             self.on_dead(exc)

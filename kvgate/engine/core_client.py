@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -35,6 +36,7 @@ from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.channel import Channel, ChannelKeys, Gate, serve_secured
 from kvgate.engine.core_proc import EngineInfo
 from kvgate.engine.loop import Abort, Add, Command, Shares
+from kvgate.engine.lora_ops import LoraOp, LoraOps
 from kvgate.engine.policy import SchedulingPolicy, TenantShare
 from kvgate.engine.request import Request
 from kvgate.engine.request_factory import RequestFactory
@@ -107,6 +109,7 @@ class EngineClient(StreamingFront):
         #: Engine processes started again after one died.
         self.num_restarts = 0
         self._shares: Shares | None = None
+        self._loras = LoraOps()
         self._up = False  # an engine process is loaded and taking requests
         self._closing = False
         self._given_up = False
@@ -209,6 +212,16 @@ class EngineClient(StreamingFront):
         request.matcher = None  # made again on the engine's side
         self._send(Add(request))
 
+    def lora(self, name: str, path: str | None) -> Future[None]:
+        """Load LoRA adapter ``name`` from ``path`` (None: unload it) in the engine process;
+        the future fails with its error. Adapters loaded so are loaded again into an engine
+        process started after one died."""
+        if not self._up:
+            raise EngineDead("the engine process is restarting")
+        op, future = self._loras.start(name, path)
+        self._send(op)
+        return future
+
     def _send(self, command: Command) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         # No engine connected (it died): dropped; its streams are failed anyway.
@@ -258,6 +271,8 @@ class EngineClient(StreamingFront):
             for step in stats:
                 for listener in self.listeners:
                     listener.on_step(step)
+        elif kind == "lora":
+            self._loras.done(message[1], message[2])
         elif kind == "snap":
             self._snapshot = message[1]
         elif kind == "error":
@@ -273,6 +288,7 @@ class EngineClient(StreamingFront):
             if not shutdown:
                 log.error("the engine loop in process %d stopped: %s", self._process.pid, exc)
                 self._up = False
+                self._loras.fail_all(exc)
                 self._streams.fail_all(exc)
 
     def _ready(self, info: EngineInfo, snapshot: EngineSnapshot) -> None:
@@ -282,6 +298,8 @@ class EngineClient(StreamingFront):
             log.info("engine process %d ready again: taking requests", info.pid)
             if self._shares is not None:
                 self._send(self._shares)
+            for name, path in self._loras.loaded.items():
+                self._send(LoraOp(-1, name, path))
             self._streams.revive()
         self._up = True
         self._first.set()
@@ -297,6 +315,7 @@ class EngineClient(StreamingFront):
     def _died(self, exitcode: int) -> None:
         self._up = False
         exc = EngineDead(f"the engine process {self._process.pid} exited with code {exitcode}")
+        self._loras.fail_all(exc)
         self._streams.fail_all(exc)
         if not self._first.is_set():
             self._load_failed(exc)

@@ -144,6 +144,9 @@ class SocketSink:
         assert self.engine is not None
         self.send(("snap", self.engine.snapshot))
 
+    def lora_done(self, token: int, error: BaseException | None) -> None:
+        self.send(("lora", token, None if error is None else portable(error)))
+
     def dead(self, exc: BaseException, *, shutdown: bool = False) -> None:
         self.send(("dead", portable(exc), shutdown))
         self.stopped.set()

@@ -4,6 +4,7 @@ process) and ``EngineClient`` (a process of its own) are both an ``EngineFront``
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
@@ -103,3 +104,7 @@ class EngineFront(Protocol):
     ) -> None: ...
     def abort(self, request_id: str | Sequence[str]) -> None: ...
     def shutdown(self, timeout: float = 10.0) -> None: ...
+    def lora(self, name: str, path: str | None) -> Future[None]:
+        """Load LoRA adapter ``name`` from directory ``path`` (None: unload it) between two
+        steps (``engine/lora_ops.py``); the future fails with the engine's refusal."""
+        ...

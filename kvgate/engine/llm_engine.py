@@ -26,6 +26,7 @@ from kvgate.engine.kv_transfer import (
     tier_format,
 )
 from kvgate.engine.lineage import VERSIONED_SETTINGS, weights_digest
+from kvgate.engine.lora_cache import LoraCache
 from kvgate.engine.messages import RunnerOutput, SchedulerOutput, TokenLogprobs
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import SchedulingPolicy, TenantShare
@@ -302,6 +303,18 @@ class LLMEngine:
             self.eos_token_ids,
             speculative=self.drafter is not None,
         )
+        #: LoRA adapters by name (``lora_cache.py``): ``--lora-modules`` loaded now (a bad
+        #: one fails the start, naming it), more through ``LoraCache.register``.
+        self.loras = LoraCache(
+            self.model_config,
+            parse_memory(config.max_lora_memory, 1),
+            self._loras_in_use,
+            supported=self.model.supports_lora,
+            model_name=type(self.model).__name__,
+            device=self.device,
+        )
+        for name, path in config.lora_modules:
+            self.loras.register(name, path)
         self.runner = ModelRunner(
             self.model, kv_caches, config.block_size, grammars=self.grammars, layout=self.kv_layout
         )
@@ -433,6 +446,10 @@ class LLMEngine:
         if request.request_id in self.scheduler.requests or request.request_id in self._outputs:
             raise DuplicateRequestId(request.request_id)
         p = request.params
+        if p.lora_name is not None and request.lora is None:
+            request.lora = self.loras.acquire(p.lora_name)
+            salt = self.loras.salt(p.lora_name)
+            request.cache_salt = salt if request.cache_salt is None else request.cache_salt + salt
         detok = IncrementalDetokenizer(
             self.tokenizer.backend,
             request.prompt_token_ids,
@@ -449,6 +466,18 @@ class LLMEngine:
         request = self.make_request(request_id, prompt, params)
         self.add(request)
         return request
+
+    def lora_op(self, name: str, path: str | None) -> None:
+        """Register LoRA adapter ``name`` from directory ``path`` (loaded and checked now),
+        or with ``path`` None forget it (``LoraCache``); requests using it keep it."""
+        if path is None:
+            self.loras.unregister(name)
+        else:
+            self.loras.register(name, path)
+
+    def _loras_in_use(self) -> set[str]:
+        """Names of the LoRA adapters requests in the scheduler use (never evicted)."""
+        return {name for r in self.scheduler.requests.values() if (name := r.params.lora_name)}
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """End requests at once; their blocks are free before this returns."""

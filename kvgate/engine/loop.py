@@ -17,6 +17,7 @@ from typing import Protocol
 
 from kvgate.engine.autopilot import SloPolicy
 from kvgate.engine.llm_engine import EngineStep, LLMEngine
+from kvgate.engine.lora_ops import LoraOp
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.policy import TenantShare
 from kvgate.engine.request import Request
@@ -50,7 +51,7 @@ class Shares:
     slo: SloPolicy | None = None
 
 
-Command = Add | Abort | Call | Shares | None  # None: shut down
+Command = Add | Abort | Call | Shares | LoraOp | None  # None: shut down
 
 #: How long a stalled engine loop waits for a command before it looks at deadlines again.
 _STALL_WAIT_S = 0.005
@@ -70,6 +71,9 @@ class Sink(Protocol):
 
     def published(self) -> None:
         """The engine published a snapshot outside a step (after commands)."""
+
+    def lora_done(self, token: int, error: BaseException | None) -> None:
+        """A ``LoraOp`` was applied (``error`` None) or refused."""
 
     def dead(self, exc: BaseException, *, shutdown: bool = False) -> None:
         """The loop stopped: asked to (``shutdown``), or errors too frequent to be
@@ -236,9 +240,16 @@ class EngineLoop:
             applied += 1
             self._apply(cmd)
 
-    def _apply(self, cmd: Add | Abort | Call | Shares) -> None:
+    def _apply(self, cmd: Add | Abort | Call | Shares | LoraOp) -> None:
         if isinstance(cmd, Add):
             self._add(cmd.request)
+        elif isinstance(cmd, LoraOp):
+            error: BaseException | None = None
+            try:
+                self.engine.lora_op(cmd.name, cmd.path)
+            except Exception as exc:
+                error = exc
+            self.sink.lora_done(cmd.token, error)
         elif isinstance(cmd, Abort):
             live = self.engine.scheduler.requests
             ended = [rid for rid in cmd.request_ids if rid not in live]

@@ -19,6 +19,8 @@ class NewRequestData:
     #: The request's grammar matcher (constrained requests), built off the engine thread
     #: when the request was made: the runner takes it over (never compiles in a step).
     matcher: Any = None
+    #: The request's LoRA adapter (``model.lora.LoraAdapter``; None: the base model).
+    lora: Any = None
 
 
 @dataclass(frozen=True)

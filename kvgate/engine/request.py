@@ -80,6 +80,9 @@ class Request:
         #: The grammar's matcher (constrained requests), compiled when the request was made;
         #: handed to the runner with the request's first schedule, which then owns it.
         self.matcher: Any = None
+        #: The request's LoRA adapter (a ``model.lora.LoraAdapter``), taken from the engine's
+        #: adapters when the request is added (``params.lora_name``); handed to the runner.
+        self.lora: Any = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -28,6 +28,7 @@ from kvgate.engine.verify import Drafted, DraftVerifier
 from kvgate.model.attention import AttentionMetadata
 from kvgate.model.compressed_kv import compressed_views
 from kvgate.model.kv_layout import KVGroup, KVLayout
+from kvgate.model.lora import LoraAdapter, LoraRows
 from kvgate.model.protocol import Model
 from kvgate.model.row_roles import RowRoles
 from kvgate.sampling_params import SamplingParams
@@ -84,6 +85,8 @@ class _RequestState:
     #: The grammar's state after every output token (constrained requests). It lives here,
     #: not in the KV cache, so it survives preemption and recompute unchanged.
     matcher: llguidance.LLMatcher | None = None
+    #: The request's LoRA adapter (None: the base model alone).
+    lora: LoraAdapter | None = None
 
 
 @dataclass
@@ -122,6 +125,8 @@ class FlatBatch:
     roles: RowRoles | None = None
     #: The speculating sequences' drafts (every row of theirs is in ``sample_rows``).
     drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Each row's LoRA adapter (``LoraRows``); None where no row has one.
+    lora: LoraRows | None = None
 
 
 class ModelRunner:
@@ -187,9 +192,16 @@ class ModelRunner:
         ``plain``: the sequences sampling one token (in ``batch.sample_ids`` order, drafts
         left out); ``guided``: their constrained rows (indices into ``plain``) and the masks
         being computed for them."""
-        hidden = yield from self.model.stepwise(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, pause, batch.roles
-        )
+        if batch.lora is None:
+            hidden = yield from self.model.stepwise(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, pause, batch.roles
+            )
+        else:  # only a model that supports LoRA gets adapters (``LoraCache``)
+            stepwise: Callable[..., Generator[None, None, torch.Tensor]] = self.model.stepwise
+            hidden = yield from stepwise(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, pause,
+                batch.roles, lora=batch.lora,
+            )  # fmt: skip
         if not batch.sample_ids:
             return RunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -209,7 +221,7 @@ class ModelRunner:
         gen = None
         if new.params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(new.params.seed)
-        state = _RequestState(new.prompt_token_ids, new.params, gen)
+        state = _RequestState(new.prompt_token_ids, new.params, gen, lora=new.lora)
         if new.matcher is not None:
             state.matcher = new.matcher
         elif new.params.grammar is not None:  # made without its matcher: build it here
@@ -295,8 +307,11 @@ class ModelRunner:
         sample_ids: list[str] = []
         is_prompt: list[bool] = []
         drafts: dict[str, tuple[int, ...]] = {}
+        adapters: list[LoraAdapter | None] = []
         for seq in decodes + prefills:
             input_ids += seq.token_ids
+            state = self.states.get(seq.request_id)  # tests build batches of bare sequences
+            adapters += [None if state is None else state.lora] * seq.num_tokens
             positions += range(seq.start_pos, seq.context_len)
             if self.model.prompt_tiles:
                 prompt_len = len(self.states[seq.request_id].prompt_token_ids)
@@ -322,4 +337,5 @@ class ModelRunner:
             sample_ids=tuple(sample_ids),
             roles=RowRoles.of(is_prompt),
             drafts=drafts,
+            lora=LoraRows.of(adapters, dev),
         )

@@ -493,7 +493,11 @@ class Scheduler:
             self._sent_to_runner.add(request.request_id)
             new_requests.append(
                 NewRequestData(
-                    request.request_id, request.prompt_token_ids, request.params, request.matcher
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    request.matcher,
+                    request.lora,
                 )
             )
 

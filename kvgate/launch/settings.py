@@ -168,6 +168,34 @@ def add_engine_args(p: argparse.ArgumentParser, *, several_models: bool = False)
         default=4,
         help="longest n-gram of the request's last tokens looked up",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve on the first model from the start, "
+        'each checked against it now; a request selects one with "model": NAME, and '
+        "admins load more with POST /v1/load_lora_adapter",
+    )
+    g.add_argument(
+        "--max-lora-memory",
+        default="256MiB",
+        help="bytes of LoRA adapters kept loaded (float32 factors); past it the least "
+        "recently used adapter no request uses is dropped and read again on next use",
+    )
+
+
+def lora_modules(values: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules`` NAME=PATH values as (name, path) pairs; a clear error for others."""
+    pairs = []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise InvalidConfig(
+                f"--lora-modules takes NAME=PATH, got {value!r}", param="lora_modules"
+            )
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -198,6 +226,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=a.num_speculative_tokens,
         speculative_ngram_min=a.speculative_ngram_min,
         speculative_ngram_max=a.speculative_ngram_max,
+        lora_modules=lora_modules(getattr(a, "lora_modules", None)),
+        max_lora_memory=getattr(a, "max_lora_memory", "256MiB"),
     )
 
 
@@ -516,6 +546,8 @@ def _model_entry(entry: Mapping[str, Any], base: EngineConfig, i: int) -> ModelT
             f"{where}: unknown setting(s) {sorted(unknown)}; known: {known}", param="models"
         )
     overrides = {k: v for k, v in settings.items() if k in _PER_MODEL}
+    if i:  # --lora-modules are the first model's adapters
+        overrides["lora_modules"] = ()
     return ModelToServe(
         name, dataclasses.replace(base, model=model, **overrides), kv_weight=float(weight)
     )

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from kvgate.errors import PermissionDenied
 
 
-def _require_admin(request: Request) -> Any:
+def require_admin(request: Request) -> Any:
     state = request.app.state.kvgate
     if not state.governance.tenants.is_admin(request.headers.get("authorization")):
         raise PermissionDenied("this endpoint needs an admin key (admin_keys in the tenants file)")
@@ -26,7 +26,7 @@ def _require_admin(request: Request) -> Any:
 def install_admin_routes(app: FastAPI) -> None:
     @app.get("/admin/tenants")
     def tenants(request: Request) -> dict[str, Any]:
-        state = _require_admin(request)
+        state = require_admin(request)
         return {"tenants": state.governance.report(state.snapshots())}
 
     @app.get("/admin/usage")
@@ -36,12 +36,12 @@ def install_admin_routes(app: FastAPI) -> None:
         since: float | None = None,
         until: float | None = None,
     ) -> dict[str, Any]:
-        state = _require_admin(request)
+        state = require_admin(request)
         result: dict[str, Any] = state.usage.query(tenant, since, until)
         return result
 
     @app.post("/admin/reload")
     def reload(request: Request) -> dict[str, Any]:
-        state = _require_admin(request)
+        state = require_admin(request)
         new = state.governance.reload()
         return {"status": "reloaded", "source": new.source, "tenants": sorted(new.tenants)}

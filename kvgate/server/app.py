@@ -54,6 +54,7 @@ from kvgate.server.errors import install_error_handlers
 from kvgate.server.files import install_file_routes
 from kvgate.server.governance import Governance
 from kvgate.server.limits import GuardMiddleware
+from kvgate.server.lora_routes import install_lora_routes
 from kvgate.server.metrics import EngineCollector, PrometheusStatsListener, TenantCollector
 from kvgate.server.models import EngineLoader, ModelSlot, ServedModels
 from kvgate.server.openai_routes import install_openai_routes
@@ -139,8 +140,9 @@ def _load(
     gc.collect()
     gc.freeze()
     slot.serving = ServingContext(
-        engine, slot.name, state.governance, door, state.usage, state.tracing, version
-    )
+        engine, slot.name, state.governance, door, state.usage, state.tracing, version,
+        loras=dict(engine.engine.config.lora_modules),
+    )  # fmt: skip
     log.info(
         "model %r is version %s (weights sha256 %s, from %s)",
         slot.name, version.id, version.weights_sha256[:16], version.source,
@@ -360,6 +362,7 @@ def build_app(
     app.state.kvgate = state
     install_error_handlers(app)
     install_admin_routes(app)
+    install_lora_routes(app)
     install_file_routes(app)
     install_vector_store_routes(app)
     install_response_routes(app)

@@ -149,7 +149,7 @@ async def create_chat_completion(
         grammar=constraints.grammar,
     )
     head = {"id": response_id, "created": int(time.time()),
-            "model": ctx.served_model_name}  # fmt: skip
+            "model": ctx.lora_name or ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
     readers = [ToolCallReader(constraints.may_call) for _ in requests]
     return await respond(

@@ -32,6 +32,7 @@ def sampling_params(
     logprobs: int | None,
     seed: int | None,
     grammar: Grammar | None = None,
+    lora_name: str | None = None,
 ) -> SamplingParams:
     """SamplingParams from the body's fields; OpenAI's defaults where a field is absent."""
     return SamplingParams(
@@ -53,6 +54,7 @@ def sampling_params(
         final_only=not body.stream,
         grammar=grammar,
         speculative=body.speculative,
+        lora_name=lora_name,
     )
 
 
@@ -95,6 +97,7 @@ def build_choices(
                 logprobs=logprobs,
                 seed=None if body.seed is None else body.seed + j,
                 grammar=grammar,
+                lora_name=ctx.lora_name,
             )
             engine_id = f"{request_id}-{p * n + j}-{next(ctx.ids)}"
             requests.append(

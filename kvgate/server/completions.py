@@ -110,7 +110,7 @@ async def create_completion(
     )
     echoes = [prompt_texts[i // n] for i in range(len(requests))]
     head = {"id": response_id, "created": int(time.time()),
-            "model": ctx.served_model_name}  # fmt: skip
+            "model": ctx.lora_name or ctx.served_model_name}  # fmt: skip
     want_logprobs = requests[0].params.logprobs is not None
     return await respond(
         ctx, http, requests, tracker, _CompletionChunks(ctx, echoes, want_logprobs), head,

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvgate.engine.lora_cache import LoraNotFound
 from kvgate.errors import (
     EngineDead,
     InvalidConfig,
@@ -77,7 +78,7 @@ def status_of(exc: KVGateError) -> tuple[int, str]:
         return 401, "authentication_error"
     if isinstance(exc, PermissionDenied):
         return 403, "permission_error"
-    if isinstance(exc, (ModelNotServed, NotFound)):
+    if isinstance(exc, (ModelNotServed, NotFound, LoraNotFound)):
         return 404, "invalid_request_error"
     if isinstance(exc, RateLimited):
         return 429, "rate_limit_error"

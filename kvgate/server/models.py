@@ -94,15 +94,24 @@ class ServedModels:
     def allowed(self, spec: TenantSpec) -> list[ModelSlot]:
         return [slot for slot in self if spec.allows(slot.name)]
 
+    def adapter(self, name: str) -> ModelSlot | None:
+        """The loaded model that has LoRA adapter ``name`` (None: none has)."""
+        for slot in self:
+            if slot.serving is not None and name in slot.serving.loras:
+                return slot
+        return None
+
     def slot_for(self, model: str | None, spec: TenantSpec) -> ModelSlot:
         """The slot a request naming ``model`` (None: none) goes to, for tenant ``spec``;
-        raises 404 for a name no model has and 403 for one the tenant may not use."""
+        raises 404 for a name no model has and 403 for one the tenant may not use. A LoRA
+        adapter's name goes to the model that has it (an allow-list names adapters as
+        models)."""
         if model is None:
             allowed = self.allowed(spec)
             if not allowed:
                 raise ModelNotAllowed(self.default.name, spec.name, spec.models or ())
             return allowed[0]
-        slot = self.slots.get(model)
+        slot = self.slots.get(model) or self.adapter(model)
         if slot is None:
             raise ModelNotServed(model, [s.name for s in self.allowed(spec)] or self.names)
         if not spec.allows(model):
@@ -112,7 +121,10 @@ class ServedModels:
     def route(self, model: str | None, spec: TenantSpec) -> ServingContext:
         """What serves a request naming ``model`` for tenant ``spec`` (see ``slot_for``);
         503 while that model loads or after its engine failed."""
-        return self.slot_for(model, spec).check()
+        ctx = self.slot_for(model, spec).check()
+        if model is not None and model not in self.slots and model in ctx.loras:
+            return ctx.for_lora(model)
+        return ctx
 
     def snapshots(self) -> dict[str, EngineSnapshot]:
         """Each loaded model's latest engine snapshot, by served name."""

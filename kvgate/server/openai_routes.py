@@ -6,6 +6,7 @@ models, where the server has one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,26 @@ def model_card(ctx: ServingContext, *, paths: bool) -> dict[str, Any]:
     }
 
 
+def lora_cards(
+    ctx: ServingContext, allows: Callable[[str], bool], *, paths: bool
+) -> list[dict[str, Any]]:
+    """A served model's LoRA adapters the caller may use, as ``/v1/models`` lists them
+    (vLLM's shape: ``parent`` the base model's served name, ``root`` the directory)."""
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvgate",
+            "max_model_len": ctx.max_model_len,
+            "parent": ctx.served_model_name,
+            "root": path if paths else PurePath(path).name,
+        }
+        for name, path in ctx.loras.items()
+        if allows(name)
+    ]
+
+
 def _is_admin(request: Request) -> bool:
     state: ServerState = request.app.state.kvgate
     return state.governance.tenants.is_admin(request.headers.get("authorization"))
@@ -93,6 +114,10 @@ def install_openai_routes(app: FastAPI) -> None:
             allowed[0].check()
         paths = admin or state.governance.tenants.open
         data = [model_card(ctx, paths=paths) for ctx in ready if ctx is not None]
+        allows = (lambda _: True) if admin else state.governance.spec(authenticate(request)).allows
+        for slot in models:
+            if slot.status == "ready" and slot.serving is not None:
+                data += lora_cards(slot.serving, allows, paths=paths)
         embedding = _embedding(request, admin)
         if embedding is not None:
             data.append(embedding.card(paths=paths))
@@ -109,12 +134,17 @@ def install_openai_routes(app: FastAPI) -> None:
             if embedding is not None:
                 return embedding.card(paths=admin or state.governance.tenants.open)
         if admin:
-            slot = state.models.slots.get(model_id)
+            slot = state.models.slots.get(model_id) or state.models.adapter(model_id)
             if slot is None:
                 raise ModelNotServed(model_id, state.models.names)
-            return model_card(slot.check(), paths=True)
-        ctx = router(request, authenticate(request))(model_id)
-        return model_card(ctx, paths=state.governance.tenants.open)
+            ctx = slot.check()
+            paths = True
+        else:
+            ctx = router(request, authenticate(request))(model_id)
+            paths = state.governance.tenants.open
+        if model_id in ctx.loras and model_id != ctx.served_model_name:
+            return lora_cards(ctx, lambda name: name == model_id, paths=paths)[0]
+        return model_card(ctx, paths=paths)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request, route: Route) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ class ServingContext:
     version: ModelVersion | None = None
     #: Makes engine request ids unique even when clients reuse an x-request-id.
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    #: The LoRA adapters the engine has, name -> directory (``--lora-modules`` and those
+    #: loaded while serving); a request names one as its ``model``. Shared by the copies
+    #: ``for_lora`` makes.
+    loras: dict[str, str] = field(default_factory=dict)
+    #: The adapter this request runs with (a copy made by ``for_lora``); None: the base.
+    lora_name: str | None = None
+
+    def for_lora(self, name: str) -> ServingContext:
+        """This model's context for a request on its adapter ``name``."""
+        return dataclasses.replace(self, lora_name=name)
 
     @property
     def tokenizer(self) -> Tokenizer:
