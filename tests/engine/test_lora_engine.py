@@ -5,7 +5,6 @@ adapter; the LRU under a memory cap; what is refused."""
 
 from __future__ import annotations
 
-import copy
 import random
 import shutil
 from pathlib import Path
@@ -21,22 +20,10 @@ from kvgate.launch.settings import lora_modules
 from kvgate.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_config
 from tests.hf_reference import hf_greedy
+from tests.lora_adapters import make_adapter
 from tests.tiny_model import TINY_LLAMA
 
 NEW_TOKENS = 16
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Any, directory: Path, seed: int, **settings: Any) -> Any:
-    """A peft model over a copy of ``base`` with random non-zero A and B, saved in
-    ``directory``; returned for reference generations."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = {"r": 8, "lora_alpha": 16, "target_modules": ALL, **settings}
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
-    model.eval().save_pretrained(directory)
-    return model
 
 
 @pytest.fixture(scope="module")

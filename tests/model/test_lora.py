@@ -6,7 +6,6 @@ subset of targets, and what is refused."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import random
@@ -23,10 +22,10 @@ from kvgate.model.attention import AttentionMetadata, PrefillSlice
 from kvgate.model.lora import LoraAdapter, LoraRows
 from kvgate.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
+from tests.lora_adapters import ALL, make_adapter
 from tests.tiny_model import TINY_LLAMA
 
 NEW_TOKENS = 16
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fp32 logits against transformers + peft: the same weights, other summation orders.
 ATOL = 1e-4
 
@@ -55,17 +54,6 @@ def _save(model: Any, directory: Path, tokenizer: Tokenizer) -> Path:
     return directory
 
 
-def _adapter(base: Any, directory: Path, seed: int, **settings: Any) -> Any:
-    """A peft model over a copy of ``base`` with random A and B, saved in ``directory``."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = {"r": 8, "lora_alpha": 16, "target_modules": ALL, **settings}
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
-    model.eval().save_pretrained(directory)
-    return model
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer) -> dict[str, Any]:
     """A tiny Llama as kvgate runs it (fp32) and as transformers does, and two adapters of
@@ -75,9 +63,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Tokenizer
     llm = LLM(str(_save(hf, root / "base", smollm2_tokenizer)), dtype="float32",
               kv_cache_memory="64MiB")  # fmt: skip
     config = llm.engine.model.config
-    peft_a = _adapter(hf, root / "a", seed=11)
-    peft_b = _adapter(hf, root / "b", seed=12, r=4, lora_alpha=6, use_rslora=True,
-                      target_modules=["q_proj", "v_proj"])  # fmt: skip
+    peft_a = make_adapter(hf, root / "a", seed=11)
+    peft_b = make_adapter(hf, root / "b", seed=12, r=4, lora_alpha=6, use_rslora=True,
+                          target_modules=["q_proj", "v_proj"])  # fmt: skip
     return {
         "root": root,
         "hf": hf,
@@ -211,7 +199,7 @@ def test_one_adapter_matches_peft(kind: str, tmp_path: Path, smollm2_tokenizer: 
     hf = _hf(kind)
     llm = LLM(str(_save(hf, tmp_path / "base", smollm2_tokenizer)), dtype="float32",
               kv_cache_memory="64MiB")  # fmt: skip
-    ref = _adapter(hf, tmp_path / "ad", seed=7)
+    ref = make_adapter(hf, tmp_path / "ad", seed=7)
     adapter = LoraAdapter(tmp_path / "ad", llm.engine.model.config)
     assert adapter.target_modules == set(ALL) and adapter.scale == 2.0 and adapter.name == "ad"
     prompt = _prompts(1, (40,))[0]
@@ -325,7 +313,7 @@ def test_gemma3_adapter_matches_peft(tmp_path: Path, smollm2_tokenizer: Tokenize
                 p.mul_(0.05)
     llm = LLM(str(_save(hf, tmp_path / "base", smollm2_tokenizer)), dtype="float32",
               kv_cache_memory="64MiB")  # fmt: skip
-    ref = _adapter(hf, tmp_path / "ad", seed=8, target_modules=["k_proj", "o_proj", "up_proj"])
+    ref = make_adapter(hf, tmp_path / "ad", seed=8, target_modules=["k_proj", "o_proj", "up_proj"])
     adapter = LoraAdapter(tmp_path / "ad", llm.engine.model.config)
     prompts = _prompts(6, (40, 11))
     logits, tokens = Run(llm, prompts, [adapter, None]).greedy()
@@ -362,19 +350,19 @@ def test_what_is_refused(llama: dict[str, Any], tmp_path: Path) -> None:
 
     # Made on another model: a hidden size of 32, or a layer more than the model has.
     narrow = _hf("llama", hidden_size=32, intermediate_size=80)
-    _adapter(narrow, tmp_path / "narrow", seed=1, target_modules=["q_proj"])
+    make_adapter(narrow, tmp_path / "narrow", seed=1, target_modules=["q_proj"])
     refused(
         tmp_path / "narrow",
         r"tensor 'model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has shape \[8, 32\], "
         r"expected \[8, 64\]",
     )
     deeper = _hf("llama", num_hidden_layers=3)
-    _adapter(deeper, tmp_path / "deeper", seed=1, target_modules=["down_proj"])
+    make_adapter(deeper, tmp_path / "deeper", seed=1, target_modules=["down_proj"])
     refused(tmp_path / "deeper", "is for layer 2; the model has 2 layers")
     # What peft can express and kvgate does not run.
-    _adapter(llama["hf"], tmp_path / "bias", seed=1, bias="all")
+    make_adapter(llama["hf"], tmp_path / "bias", seed=1, bias="all")
     refused(tmp_path / "bias", "bias 'all' is not supported")
-    _adapter(llama["hf"], tmp_path / "dora", seed=1, use_dora=True, target_modules=["q_proj"])
+    make_adapter(llama["hf"], tmp_path / "dora", seed=1, use_dora=True, target_modules=["q_proj"])
     refused(tmp_path / "dora", "use_dora")
     head = _edit(good, tmp_path / "head", target_modules=["q_proj", "lm_head"])
     refused(head, "target module 'lm_head' is not supported")
@@ -390,7 +378,7 @@ def test_what_is_refused(llama: dict[str, Any], tmp_path: Path) -> None:
     # The check against another model, after loading.
     with pytest.raises(InvalidConfig, match="has shape"):
         llama["adapter"]["a"].check(dataclasses.replace(config, intermediate_size=320))
-    _adapter(llama["hf"], tmp_path / "q", seed=1, target_modules=["q_proj"])
+    make_adapter(llama["hf"], tmp_path / "q", seed=1, target_modules=["q_proj"])
     q_only = LoraAdapter(tmp_path / "q", config)
     q_only.check(config)
     with pytest.raises(InvalidConfig, match="layer 0's qkv has 96 outputs in this model, 128"):
