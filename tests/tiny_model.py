@@ -57,6 +57,21 @@ def tiny_qwen3(seed: int = 3) -> Any:
     return model.eval()
 
 
+def tiny_qwen2(seed: int = 3) -> Any:
+    """A random-weight Qwen2ForCausalLM of the tiny shape, its q/k/v biases made to matter
+    (HF initialises them to zero)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model.eval()
+
+
 def build_tiny_qwen3(directory: Path, tokenizer: Tokenizer, seed: int = 3) -> Path:
     """``tiny_qwen3`` saved as an HF directory (fp32 safetensors) with ``tokenizer``."""
     tiny_qwen3(seed).save_pretrained(directory, safe_serialization=True)

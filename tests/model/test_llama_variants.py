@@ -16,7 +16,7 @@ from kvgate.entrypoints.llm import LLM
 from kvgate.tokenizer import Tokenizer
 from tests.gguf_writer import write_gguf
 from tests.hf_reference import hf_greedy
-from tests.tiny_model import TINY_LLAMA, tiny_qwen3
+from tests.tiny_model import TINY_LLAMA, tiny_qwen2, tiny_qwen3
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # original_max_position_embeddings=64 puts prompt positions in all three llama3 regions.
@@ -45,12 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _build(directory: Path, tokenizer: Tokenizer, variant: str) -> Path:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
     overrides = dict(VARIANTS[variant])
@@ -58,16 +53,7 @@ def _build(directory: Path, tokenizer: Tokenizer, variant: str) -> Path:
     if model_type == "qwen3":
         model: Any = tiny_qwen3()
     elif model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
-        # HF initialises biases to zero; make them matter.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
+        model = tiny_qwen2()
     else:
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides}))
     model.eval().save_pretrained(directory, safe_serialization=True)

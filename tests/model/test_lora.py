@@ -23,7 +23,7 @@ from kvgate.model.lora import LoraAdapter, LoraRows
 from kvgate.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.lora_adapters import ALL, make_adapter
-from tests.tiny_model import TINY_LLAMA
+from tests.tiny_model import TINY_LLAMA, tiny_qwen2
 
 NEW_TOKENS = 16
 # fp32 logits against transformers + peft: the same weights, other summation orders.
@@ -31,20 +31,11 @@ ATOL = 1e-4
 
 
 def _hf(kind: str, seed: int = 3, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA, use_sliding_window=False))
-        with torch.no_grad():  # HF initialises biases to zero; make them matter
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
-        return model.eval()
+        return tiny_qwen2(seed)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).eval()
 
 
